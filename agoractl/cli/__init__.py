@@ -1,0 +1,1 @@
+"""The ``agoractl`` command line: a short root (:mod:`.main`) and one module per command group."""

@@ -1,0 +1,64 @@
+"""``agoractl demo``: the embedded default manifest, end to end, one public command after another.
+
+Each step is an ordinary ``agoractl`` command line; the demo prints it, then runs it as a
+subprocess, and stops at the first failure with that step's exit code.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agoractl.errors import RuntimeFailure, UsageError
+
+DEFAULT_MANIFEST = "local-cpu.yaml"
+
+
+def manifests_dir() -> Path:
+    """Shipped manifests: inside the installed package, or at the top of a source checkout."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "manifests", here.parent / "manifests"):
+        if candidate.is_dir():
+            return candidate
+    raise RuntimeFailure("the shipped manifests are missing from this installation",
+                         hint="reinstall agoractl (pip install -e .)")
+
+
+def default_manifest() -> Path:
+    return manifests_dir() / DEFAULT_MANIFEST
+
+
+def steps(manifest: Path) -> list[list[str]]:
+    """The demo's command lines, in order. Each capability adds its step here."""
+    m = str(manifest)
+    return [
+        ["manifest", "validate", m],
+        ["manifest", "plan", m],
+    ]
+
+
+def demo(
+    manifest: Annotated[Optional[Path], typer.Option(help="Manifest to run instead of the embedded default.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands without running them.")] = False,
+) -> None:
+    """Run the embedded default (manifests/local-cpu.yaml) end to end with the public commands."""
+    path = manifest or default_manifest()
+    if not path.is_file():
+        raise UsageError(f"{path}: no such manifest file")
+    for args in steps(path):
+        line = "agoractl " + shlex.join(args)
+        print(f"$ {line}", flush=True)
+        if dry_run:
+            continue
+        t0 = time.monotonic()
+        rc = subprocess.call([sys.executable, "-m", "agoractl", *args])
+        if rc != 0:
+            raise RuntimeFailure(f"demo step failed with exit code {rc}: {line}",
+                                 hint="rerun that command alone to see its output")
+        print(f"  ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)

@@ -1,0 +1,416 @@
+"""The run manifest (apiVersion ``agoractl/v1``, kind ``Run``) as pydantic v2 models.
+
+Every field carries an attribute docstring (units, defaults, sentinels) that becomes its description
+in ``agoractl manifest schema``. Defaults follow the Agora report (seed 000) unless said otherwise.
+Unknown keys are rejected everywhere (``extra="forbid"``); cross-field rules live in
+:func:`cross_field_errors` so the loader can report them beside field errors, all at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+API_VERSION = "agoractl/v1"
+KIND = "Run"
+BYTES_TOKENIZER_VOCAB = 257
+"""The built-in byte tokenizer: ids 0-255 are bytes, 256 is end-of-document (EOS)."""
+
+
+class Section(BaseModel):
+    """Base of every manifest section: unknown keys forbidden, docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+PositiveInt = Field(gt=0)
+
+
+class Metadata(Section):
+    name: str = Field("run", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    """Run name: lowercase letters, digits and dashes. Prefixes every DHT key of the run."""
+    description: str = ""
+    """Free text shown by `manifest plan`."""
+
+
+class SSN(Section):
+    rank: Optional[int] = Field(None, gt=0)
+    """Rank k of the reparameterized subspace network (report §4.1); null = dense boundaries."""
+    seed: int = 0
+    """Seed of the fixed orthonormal basis U_k and of the fixed token embedding, shared by all stages."""
+
+
+class Surrogate(Section):
+    forward_delay_ms: float = Field(0.0, ge=0)
+    """Delay added to every forward pass of a surrogate stage, in milliseconds (report §3.5.1.1)."""
+    backward_delay_ms: float = Field(0.0, ge=0)
+    """Delay added to every backward pass of a surrogate stage, in milliseconds."""
+    dummy_params: int = Field(0, ge=0)
+    """Extra parameters per stage that inflate the averaging payload without taking part in compute."""
+
+
+class Model(Section):
+    family: Literal["llama", "surrogate"] = "llama"
+    """`llama`: the real decoder; `surrogate`: linear stand-ins for fast system tests (report §3.5.1.1)."""
+    vocab_size: int = Field(BYTES_TOKENIZER_VOCAB, gt=0)
+    """Vocabulary size V (token ids 0..V-1)."""
+    d_model: int = Field(64, gt=0)
+    """Hidden width d."""
+    n_layers: int = Field(4, gt=0)
+    """Number of transformer blocks in the whole model; stage `layers` must sum to it."""
+    n_heads: int = Field(4, gt=0)
+    """Attention (query) heads per block; must divide d_model."""
+    n_kv_heads: Optional[int] = Field(None, gt=0)
+    """Key/value heads (grouped-query attention); null = n_heads. Must divide n_heads."""
+    d_ff: int = Field(172, gt=0)
+    """Inner width of the SwiGLU MLP."""
+    seq_len: int = Field(128, gt=0)
+    """Tokens per training sequence (samples are seq_len + 1 tokens: inputs and shifted labels)."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """RMSNorm epsilon."""
+    init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal initialisation of trainable weights."""
+    ssn: SSN = SSN()
+    """Reparameterized subspace network (report §4.1)."""
+    surrogate: Surrogate = Surrogate()
+    """Surrogate-only settings; ignored for family llama."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class Tokenizer(Section):
+    kind: Literal["bytes", "hf"] = "bytes"
+    """`bytes`: built in, 257 ids (bytes + EOS); `hf`: a local `tokenizers` JSON file or directory."""
+    path: Optional[str] = None
+    """For kind hf: path to tokenizer.json or a directory holding it. Never downloaded at run time."""
+    eos_token: Optional[str] = None
+    """For kind hf: the end-of-document token; null = the tokenizer's first special token."""
+
+
+class Stage(Section):
+    role: Literal["head", "body", "tail"]
+    """head owns the embedding, tail the final norm, LM head and loss, body only blocks."""
+    layers: int = Field(gt=0)
+    """Transformer blocks in this stage."""
+    name: Optional[str] = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
+    """Stage name (DHT keys, checkpoint paths); null = head, body-1, body-2, ..., tail."""
+
+
+class Optimizer(Section):
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay."""
+
+
+class Schedule(Section):
+    kind: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate schedule after warm-up: cosine decay to min_lr_ratio x lr at max_steps, or constant."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up, in optimizer steps."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (cosine only)."""
+
+
+class Clipping(Section):
+    mode: Literal["stagewise", "global", "none"] = "stagewise"
+    """`stagewise` clips each stage on its own (report §4.3); `global` only in the central reference."""
+    threshold: Optional[float] = Field(None, gt=0)
+    """Per-stage gradient-norm threshold; null = 1/sqrt(S) for S stages (report §4.3)."""
+    tail_multiplier: float = Field(2.0, gt=0)
+    """The tail's threshold is multiplied by this (report §4.3: 2)."""
+
+
+class Training(Section):
+    global_batch_size: int = Field(16, gt=0)
+    """Samples per optimizer step, counted collectively by all replicas of a stage."""
+    max_steps: int = Field(100, gt=0)
+    """Optimizer steps of the run."""
+    optimizer: Optimizer = Optimizer()
+    schedule: Schedule = Schedule()
+    clipping: Clipping = Clipping()
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision: bf16 autocast on CUDA; master weights and moments stay fp32."""
+    seed: int = 0
+    """Seed of parameter initialisation (identical in every replica of a stage)."""
+
+
+class Sparta(Section):
+    fraction: float = Field(0.05, gt=0, le=1)
+    """Fraction p of parameters averaged per round; ceil(1/p) disjoint segments (report §4.2: 0.05)."""
+    every_steps: int = Field(20, gt=0)
+    """Stage steps between averaging rounds (report: 20)."""
+    delta_rule: bool = True
+    """Apply theta += avg - snapshot (report §4.2.2); false replaces with the average."""
+    allreduce_timeout_s: float = Field(150.0, gt=0)
+    """All-reduce timeout, in seconds (report §5.9.3: 150)."""
+    matchmaking_timeout_s: float = Field(40.0, gt=0)
+    """Matchmaking window, in seconds."""
+    seed: int = 0
+    """Seed of the segment tiling, derived by every replica, never broadcast."""
+    wire_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of averaged values on the wire."""
+
+
+class FGDiLoCo(Section):
+    inner_steps: int = Field(50, gt=0)
+    """H: inner AdamW steps per outer round."""
+    outer_lr: float = Field(0.7, gt=0)
+    """Outer SGD learning rate."""
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    """Outer SGD momentum."""
+    nesterov: bool = True
+    """Nesterov momentum in the outer step."""
+    variant: Literal["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"] = "global_m1_local_m2"
+    """Mixing variant of seed 002."""
+
+
+class DataParallel(Section):
+    method: Literal["sparta", "fgdiloco", "none"] = "sparta"
+    """How replicas of a stage stay in consensus."""
+    sparta: Sparta = Sparta()
+    fgdiloco: FGDiLoCo = FGDiLoCo()
+
+
+class Join(Section):
+    max_stale_steps: int = Field(5, ge=0)
+    """A joining worker more than this many steps behind runs the sync phases (report §3.3.1.1)."""
+    weight_sync_steps: int = Field(400, ge=0)
+    """Stage steps of weight sync (invisible to trainers, averaging weight 0)."""
+    optimizer_sync_steps: int = Field(100, ge=0)
+    """Stage steps of optimizer sync (visible, trains, weight 0, reports no samples)."""
+
+
+class SelfTermination(Section):
+    allreduce_failures: int = Field(2, gt=0)
+    """Failed averaging rounds, within the last window_rounds, that make a worker exit (report: 2)."""
+    window_rounds: int = Field(3, gt=0)
+    """Window of recent rounds for allreduce_failures (report: 3)."""
+    max_ram_fraction: float = Field(0.95, gt=0, le=1)
+    """Exit when host RAM use exceeds this fraction."""
+
+
+class Workers(Section):
+    max_microbatch: int = Field(16, gt=0)
+    """Coalescing cap: most samples merged into one compute pass (report §3.3.1.3)."""
+    announce_period_s: float = Field(5.0, gt=0)
+    """Seconds between DHT re-announcements; records expire after 3 periods."""
+    self_termination: SelfTermination = SelfTermination()
+
+
+class Trainers(Section):
+    count: int = Field(1, gt=0)
+    """Trainers in the run (the ledger is sized by it)."""
+    shards_per_trainer: int = Field(3, gt=0)
+    """Data shards assigned to each trainer (report §5.1.0.2: 3)."""
+    in_flight: int = Field(2, gt=0)
+    """Samples each trainer keeps in flight (concurrent pipelines)."""
+    discovery_period_s: float = Field(30.0, gt=0)
+    """Seconds between DHT look-ups of each stage's workers (report §3.3.2.2: ~30)."""
+    ban_s: float = Field(60.0, ge=0)
+    """Seconds a failed worker stays banned."""
+    retries: int = Field(3, ge=0)
+    """Re-dispatches of one request to other replicas before the sample is counted as lost."""
+    request_timeout_s: float = Field(60.0, gt=0)
+    """Seconds to wait for one forward or backward reply."""
+
+
+class Admission(Section):
+    min_vram_gb: float = Field(24.0, ge=0)
+    """Minimum accelerator memory, in GB (report footnote 4: 24)."""
+    min_ram_gb: float = Field(80.0, ge=0)
+    """Minimum host memory, in GB (footnote 4: 80)."""
+    min_bandwidth_mbps: float = Field(200.0, ge=0)
+    """Minimum download bandwidth, in Mbit/s (footnote 4: 200)."""
+    max_latency_ms: float = Field(80.0, gt=0)
+    """Maximum network latency, in ms (footnote 4: 80)."""
+    allowed_accelerators: list[str] = []
+    """Accepted accelerator models; empty = any."""
+    max_contributors: int = Field(60, ge=0)
+    """Most contributor nodes admitted at once (report §5.3.3: 60)."""
+    joins_per_minute: float = Field(10.0, gt=0)
+    """Admission rate limit, in joins per minute."""
+
+
+class Data(Section):
+    source: str = "runs/local-cpu/sample/*.parquet"
+    """Input parquet files: local path or glob, s3://bucket/prefix/*.parquet, or hf://datasets/..."""
+    text_column: str = "text"
+    """Column holding the document text."""
+    id_column: str = "id"
+    """Column holding a unique document id."""
+    num_shards: int = Field(8, gt=0)
+    """Shards to write (the reference run: 10,080)."""
+    seed: int = 0
+    """Shuffle seed of re-sharding."""
+    output: str = "runs/local-cpu/shards"
+    """Where shards, index.json and ledger.json go (local path or s3://)."""
+    min_int_score: Optional[int] = Field(None, ge=0)
+    """Drop documents whose int_score is below this; null = keep all."""
+
+
+class Checkpoints(Section):
+    store: str = "runs/local-cpu/store"
+    """Checkpoint store: local path, file:// or s3:// URL. Credentials come from the environment."""
+    every_steps: int = Field(50, ge=0)
+    """Operator workers publish every this many steps; 0 = never."""
+    keep_last: int = Field(3, gt=0)
+    """Checkpoints kept per stage."""
+    snapshots_every_steps: int = Field(0, ge=0)
+    """Every worker writes a replica snapshot this often, for divergence analysis; 0 = never."""
+
+
+class Network(Section):
+    initial_peers: list[str] = []
+    """Multiaddrs of DHT peers to join; empty = start a new DHT."""
+    host_maddrs: list[str] = ["/ip4/127.0.0.1/tcp/0"]
+    """Multiaddrs to listen on."""
+    announce_maddrs: list[str] = []
+    """Multiaddrs announced to others; empty = the host addresses."""
+    startup_timeout_s: float = Field(60.0, gt=0)
+    """Seconds to wait for the p2p daemon to start."""
+
+
+class Local(Section):
+    workers_per_stage: int = Field(1, gt=0)
+    """Workers per stage that `launch swarm` starts on this machine."""
+    trainers: int = Field(1, gt=0)
+    """Trainers that `launch swarm` starts."""
+    threads_per_process: int = Field(1, gt=0)
+    """torch threads in each started process."""
+    run_dir: str = "runs/local-cpu"
+    """Where `launch swarm` and `launch central` write logs and the run report."""
+
+
+class Run(Section):
+    """A whole training run: model, stages, optimisation, data, storage, network."""
+
+    apiVersion: Literal["agoractl/v1"] = API_VERSION
+    """Manifest format version."""
+    kind: Literal["Run"] = KIND
+    """Always Run."""
+    metadata: Metadata = Metadata()
+    model: Model = Model()
+    tokenizer: Tokenizer = Tokenizer()
+    stages: list[Stage] = Field(
+        default_factory=lambda: [Stage(role="head", layers=2), Stage(role="body", layers=1), Stage(role="tail", layers=1)]
+    )
+    """Pipeline stages in order: one head first, any bodies, one tail last."""
+    training: Training = Training()
+    data_parallel: DataParallel = DataParallel()
+    join: Join = Join()
+    workers: Workers = Workers()
+    trainers: Trainers = Trainers()
+    admission: Admission = Admission()
+    data: Data = Data()
+    checkpoints: Checkpoints = Checkpoints()
+    network: Network = Network()
+    local: Local = Local()
+
+    @model_validator(mode="after")
+    def _cross_fields(self, info: ValidationInfo) -> "Run":
+        if info.context and info.context.get("skip_cross_fields"):
+            return self
+        problems = cross_field_errors(self)
+        if problems:
+            raise ValueError("; ".join(f"{path}: {msg}" for path, msg in problems))
+        return self
+
+    def stage_names(self) -> list[str]:
+        return stage_names(self.stages)
+
+    def stage(self, name: str) -> tuple[int, Stage]:
+        """The index and definition of stage `name`; KeyError listing the valid names otherwise."""
+        names = self.stage_names()
+        if name not in names:
+            raise KeyError(f"no stage {name!r}; stages are {', '.join(names)}")
+        i = names.index(name)
+        return i, self.stages[i]
+
+    def layer_range(self, index: int) -> tuple[int, int]:
+        """Global block indices [start, stop) owned by stage `index`."""
+        start = sum(s.layers for s in self.stages[:index])
+        return start, start + self.stages[index].layers
+
+    def clip_threshold(self, index: int) -> Optional[float]:
+        """Stage-wise clipping threshold of stage `index` (report §4.3), or None when not clipping."""
+        c = self.training.clipping
+        if c.mode == "none":
+            return None
+        base = c.threshold if c.threshold is not None else 1.0 / math.sqrt(len(self.stages))
+        if c.mode == "global":
+            return c.threshold if c.threshold is not None else 1.0
+        return base * (c.tail_multiplier if self.stages[index].role == "tail" else 1.0)
+
+    def n_segments(self) -> int:
+        """SPARTA segments: ceil(1 / fraction) (20 at 5%)."""
+        return math.ceil(1.0 / self.data_parallel.sparta.fraction - 1e-9)
+
+
+def stage_names(stages: list[Stage]) -> list[str]:
+    """Explicit names, else head / body-1..body-N / tail by role."""
+    names, body = [], 0
+    for s in stages:
+        if s.role == "body":
+            body += 1
+        names.append(s.name or (f"body-{body}" if s.role == "body" else s.role))
+    return names
+
+
+def cross_field_errors(run: Run) -> list[tuple[str, str]]:
+    """Rules that span fields, as (dotted path, message) pairs; empty when the manifest is coherent."""
+    out: list[tuple[str, str]] = []
+    m = run.model
+    if m.d_model % m.n_heads:
+        out.append(("model.n_heads", f"must divide model.d_model ({m.d_model}); got {m.n_heads}"))
+    elif m.head_dim % 2 and m.family == "llama":
+        out.append(("model.n_heads", f"head dimension d_model/n_heads = {m.head_dim} must be even for RoPE"))
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        out.append(("model.n_kv_heads", f"must divide model.n_heads ({m.n_heads}); got {m.n_kv_heads}"))
+    if m.ssn.rank is not None and m.ssn.rank >= m.d_model:
+        out.append(("model.ssn.rank", f"must be below model.d_model ({m.d_model}); got {m.ssn.rank}"))
+    if m.family == "surrogate" and m.ssn.rank is not None:
+        out.append(("model.ssn.rank", "the surrogate family has dense boundaries; set model.ssn.rank to null"))
+    if run.tokenizer.kind == "bytes" and m.vocab_size < BYTES_TOKENIZER_VOCAB:
+        out.append(("model.vocab_size", f"the bytes tokenizer needs at least {BYTES_TOKENIZER_VOCAB}; got {m.vocab_size}"))
+    if run.tokenizer.kind == "hf" and not run.tokenizer.path:
+        out.append(("tokenizer.path", "tokenizer.kind hf needs a path to a local tokenizer.json"))
+    stages = run.stages
+    if len(stages) < 2:
+        out.append(("stages", f"a pipeline needs at least a head and a tail; got {len(stages)} stage(s)"))
+    else:
+        roles = [s.role for s in stages]
+        if roles[0] != "head" or roles.count("head") != 1:
+            out.append(("stages[0].role", "exactly one head stage, and it must come first"))
+        if roles[-1] != "tail" or roles.count("tail") != 1:
+            out.append((f"stages[{len(stages) - 1}].role", "exactly one tail stage, and it must come last"))
+    total = sum(s.layers for s in stages)
+    if stages and total != m.n_layers:
+        detail = " + ".join(str(s.layers) for s in stages)
+        out.append(("stages", f"stage layers sum to {total} ({detail}) but model.n_layers is {m.n_layers}"))
+    names = stage_names(stages)
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        out.append(("stages", f"stage names must be unique; repeated: {', '.join(dupes)}"))
+    st = run.workers.self_termination
+    if st.allreduce_failures > st.window_rounds:
+        out.append(("workers.self_termination.allreduce_failures",
+                    f"cannot exceed window_rounds ({st.window_rounds}); got {st.allreduce_failures}"))
+    if run.training.schedule.warmup_steps > run.training.max_steps:
+        out.append(("training.schedule.warmup_steps",
+                    f"exceeds training.max_steps ({run.training.max_steps})"))
+    return out

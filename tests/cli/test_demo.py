@@ -1,0 +1,14 @@
+"""`agoractl demo`: prints each public command, then runs it, on the embedded default manifest."""
+
+
+def test_demo_dry_run_lists_steps(cli):
+    out = cli("demo", "--dry-run", check=0).stdout
+    lines = [l for l in out.splitlines() if l.startswith("$ agoractl ")]
+    assert lines[0].startswith("$ agoractl manifest validate") and lines[0].endswith("local-cpu.yaml")
+
+
+def test_demo_runs_steps_in_order(cli):
+    proc = cli("demo", check=0, timeout=1200)
+    out = proc.stdout
+    assert out.index("$ agoractl manifest validate") < out.index("$ agoractl manifest plan")
+    assert "body-1" in out
