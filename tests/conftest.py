@@ -27,3 +27,66 @@ def cli(tmp_path):
         return proc
 
     return run
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API server (moto_server) on loopback for the whole session; yields its endpoint URL.
+
+    Tests that use it get the endpoint and test credentials through `s3_env`.
+    """
+    import shutil
+    import time
+    import urllib.request
+
+    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2)
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start")
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """Point this process (and subprocesses given os.environ) at the loopback S3 server.
+
+    Returns a dict of the variables set, and a `make_bucket(name)` helper under key 'make_bucket'.
+    """
+    import boto3
+
+    env = {"AGORA_S3_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def make_bucket(name: str) -> str:
+        boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    return {**env, "make_bucket": make_bucket}
