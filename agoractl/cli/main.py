@@ -12,7 +12,7 @@ import sys
 import typer
 
 from agoractl import __version__
-from agoractl.cli import demo, manifest
+from agoractl.cli import demo, launch, manifest
 from agoractl.errors import AgoraError
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(manifest.app, name="manifest")
+app.add_typer(launch.app, name="launch")
 app.command(name="demo")(demo.demo)
 
 
