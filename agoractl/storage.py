@@ -52,9 +52,14 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
-def write_bytes_atomic(url: str, data: bytes) -> None:
-    """Write `data` to `url` so that readers see either nothing or the whole object."""
-    fs, path = filesystem(url)
+def write_bytes_atomic(url: str, data: bytes, fs: fsspec.AbstractFileSystem | None = None) -> None:
+    """Write `data` to `url` so that readers see either nothing or the whole object.
+
+    `fs`: an already open filesystem for `url` (saves a new S3 session per object)."""
+    if fs is None:
+        fs, path = filesystem(url)
+    else:
+        path = fs._strip_protocol(url)
     if is_remote(url):
         fs.pipe_file(path, data)
         return
@@ -72,11 +77,14 @@ def describe_error(url: str, exc: BaseException) -> str:
     """One line naming the URL and what went wrong, for errors from fsspec/s3fs/botocore."""
     name = type(exc).__name__
     text = str(exc).splitlines()[0] if str(exc) else name
-    if "NoSuchBucket" in text or "does not exist" in text.lower() and url.startswith("s3://"):
-        return f"{url}: the bucket does not exist"
+    # Credentials first: "The AWS Access Key Id you provided does not exist" is not a missing bucket.
     if any(s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden",
-                               "NoCredentialsError", "Unable to locate credentials")):
+                               "NoCredentialsError", "Unable to locate credentials", "Access Key Id",
+                               "signature we calculated")) or name == "NoCredentialsError" or (
+                                   name == "PermissionError" and url.startswith("s3://")):
         return f"{url}: access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+    if "NoSuchBucket" in text or ("does not exist" in text.lower() and url.startswith("s3://")):
+        return f"{url}: the bucket does not exist"
     if "Could not connect" in text or "Connect" in name or "EndpointConnectionError" in name:
         return f"{url}: cannot reach the store ({text}); check AGORA_S3_ENDPOINT_URL"
     return f"{url}: {name}: {text}"
