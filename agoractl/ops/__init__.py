@@ -1,0 +1,1 @@
+"""Operations on a run's outputs: the checkpoint store, divergence analysis, later the services."""
