@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 app.add_typer(manifest.app, name="manifest")
 app.add_typer(launch.app, name="launch")
+app.add_typer(__import__("agoractl.cli.data", fromlist=["app"]).app, name="data")
 app.command(name="demo")(demo.demo)
 
 
