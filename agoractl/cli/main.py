@@ -24,7 +24,10 @@ app = typer.Typer(
 )
 app.add_typer(manifest.app, name="manifest")
 app.add_typer(launch.app, name="launch")
+app.add_typer(__import__("agoractl.cli.checkpoint", fromlist=["app"]).app, name="checkpoint")
+app.add_typer(__import__("agoractl.cli.analyze", fromlist=["app"]).app, name="analyze")
 app.add_typer(__import__("agoractl.cli.data", fromlist=["app"]).app, name="data")
+app.command(name="shard")(__import__("agoractl.cli.shard", fromlist=["shard"]).shard)
 app.command(name="demo")(demo.demo)
 
 

@@ -1,0 +1,463 @@
+"""Re-sharding (report §5.1.0.2): ``data.source`` into ``data.num_shards`` pre-shuffled parquet shards.
+
+Two passes with bounded memory:
+
+1. *Deal.* The input is cut into units of a few row groups. Each unit is read, empty texts (and,
+   with ``data.min_int_score``, low-scored documents) are dropped and counted, and every document g
+   (its position in the concatenated input) is dealt to shard ``perm(g) % S`` with sort key
+   ``perm(g) // S`` (:mod:`agoractl.data.permutation`). The unit is spilled to the work directory as
+   one Arrow IPC file with one record batch per shard, then a JSON marker is written.
+2. *Write.* Each shard gathers its batches from every unit (memory-mapped), sorts them by key,
+   counts tokens under the manifest's tokenizer (one EOS per document), writes parquet to a temporary
+   name, checks it, renames it (or uploads it whole), and writes a ``.done/`` marker with its sha256.
+
+Then ``index.json`` is written, last. Both passes run over ``--jobs`` processes; a process holds one
+unit or one shard at a time. A rerun keeps finished units and every shard whose marker matches this
+configuration's fingerprint and whose file verifies (sha256 locally, size on object stores), so a
+crash at any point costs only the work in flight. The same seed gives byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import uuid
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from agoractl import storage
+from agoractl.data.index import FORMAT, ShardEntry, ShardIndex, index_url, read_index, shard_name, write_index
+from agoractl.data.permutation import Permutation
+from agoractl.data.sources import SourceFile, common_schema, inspect_all, list_files, read_groups
+from agoractl.data.tokenizers import load_tokenizer
+from agoractl.errors import AgoraError, RuntimeFailure
+from agoractl.manifest.schema import Run
+
+KEY = "__agora_key"
+UNIT_BYTES = 64 << 20
+"""Uncompressed bytes of input per unit of pass 1 (at least one row group)."""
+SHARD_ROW_GROUP = 1000
+"""Rows per row group in a shard, as in FineWeb-Edu."""
+DONE_DIR = ".done"
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Unit:
+    number: int
+    url: str
+    first_group: int
+    stop_group: int
+    row_offset: int
+    """Global position of the unit's first row in the concatenated input."""
+
+
+@dataclass
+class Config:
+    """What worker processes need (picklable)."""
+
+    run: Run
+    fingerprint: str
+    output: str
+    work: str
+    schema: pa.Schema
+    total_rows: int
+    num_shards: int
+    seed: int
+    text_column: str
+    min_int_score: Optional[int]
+
+
+@dataclass
+class Result:
+    index: ShardIndex
+    url: str
+    written: int
+    """Shards written by this run (the rest were already complete and verified)."""
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+def plan_units(files: list[SourceFile], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    units, offset = [], 0
+    for f in files:
+        g = 0
+        while g < len(f.row_groups):
+            stop, size = g, 0
+            while stop < len(f.row_groups) and (stop == g or size + f.group_bytes[stop] <= unit_bytes):
+                size += f.group_bytes[stop]
+                stop += 1
+            units.append(Unit(len(units), f.url, g, stop, offset))
+            offset += sum(f.row_groups[g:stop])
+            g = stop
+    return units
+
+
+def fingerprint(run: Run, files: list[SourceFile], tokenizer: dict[str, Any]) -> str:
+    d = run.data
+    body = {"format": FORMAT, "seed": d.seed, "num_shards": d.num_shards, "text": d.text_column, "id": d.id_column,
+            "min_int_score": d.min_int_score, "tokenizer": tokenizer,
+            "sources": [[f.url, f.size, f.rows, f.row_groups] for f in files]}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def default_work_dir(output: str) -> str:
+    """Spill files must be local (memory-mapped): beside local shards, else in the user's cache."""
+    if not storage.is_remote(output):
+        return os.path.join(storage.filesystem(output)[1], ".work")
+    cache = os.environ.get("AGORA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "agoractl")
+    return os.path.join(cache, "shard-work", hashlib.sha256(output.encode()).hexdigest()[:16])
+
+
+# -- pass 1: deal ----------------------------------------------------------------------------------
+
+def _unit_paths(work: str, u: int) -> tuple[str, str]:
+    return os.path.join(work, "units", f"unit-{u:06d}.arrow"), os.path.join(work, "units", f"unit-{u:06d}.json")
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def deal_unit(cfg: Config, unit: Unit) -> dict[str, Any]:
+    """Pass 1 for one unit; returns its marker (already on disk when this returns)."""
+    spill, marker = _unit_paths(cfg.work, unit.number)
+    done = _read_json(marker)
+    if done and done.get("fingerprint") == cfg.fingerprint and os.path.exists(spill):
+        return done
+    table = read_groups(unit.url, range(unit.first_group, unit.stop_group), cfg.schema.names).cast(cfg.schema)
+    n = table.num_rows
+    text = table.column(cfg.text_column)
+    nonempty = pc.fill_null(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(text)), 0), False)
+    keep = nonempty.to_numpy(zero_copy_only=False)
+    dropped_score = 0
+    if cfg.min_int_score is not None:
+        scored = pc.fill_null(pc.greater_equal(table.column("int_score"), cfg.min_int_score), False)
+        scored = scored.to_numpy(zero_copy_only=False)
+        dropped_score = int((keep & ~scored).sum())
+        keep = keep & scored
+    dropped_empty = int(n - nonempty.to_numpy(zero_copy_only=False).sum())
+    g = np.arange(unit.row_offset, unit.row_offset + n, dtype=np.int64)[keep]
+    p = Permutation(cfg.total_rows, cfg.seed)(g)
+    shard, key = p % cfg.num_shards, p // cfg.num_shards
+    order = np.argsort(shard, kind="stable")
+    table = table.filter(pa.array(keep)).append_column(KEY, pa.array(key)).take(pa.array(order)).combine_chunks()
+    shard = shard[order]
+    present, starts, counts = np.unique(shard, return_index=True, return_counts=True)
+    batches: dict[str, list[int]] = {}
+    os.makedirs(os.path.dirname(spill), exist_ok=True)
+    tmp = f"{spill}.{uuid.uuid4().hex[:8]}.tmp"
+    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        b = 0
+        for s, start, count in zip(present.tolist(), starts.tolist(), counts.tolist()):
+            chunk = table.slice(start, count).to_batches()
+            for rb in chunk:
+                writer.write_batch(rb)
+            batches[str(s)] = [b, len(chunk)]
+            b += len(chunk)
+    os.replace(tmp, spill)
+    body = {"fingerprint": cfg.fingerprint, "unit": unit.number, "url": unit.url, "rows_in": n,
+            "rows": int(keep.sum()), "dropped": {"empty": dropped_empty, "min_int_score": dropped_score},
+            "batches": batches}
+    with open(marker + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(marker + ".tmp", marker)
+    return body
+
+
+# -- pass 2: write ---------------------------------------------------------------------------------
+
+def done_url(output: str, k: int) -> str:
+    return storage.join(output, DONE_DIR, f"shard-{k:05d}.json")
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_shard(output: str, entry: ShardEntry) -> bool:
+    """A shard on disk is the one `entry` describes: sha256 locally, size on an object store."""
+    url = storage.join(output, entry.name)
+    fs, path = storage.filesystem(url)
+    try:
+        if storage.is_remote(url):
+            return fs.size(path) == entry.bytes
+        return os.path.getsize(path) == entry.bytes and _sha256_file(path) == entry.sha256
+    except (FileNotFoundError, OSError):
+        return False
+
+
+def read_done(output: str, k: int, fp: str) -> Optional[ShardEntry]:
+    """Shard k's marker, if it belongs to this fingerprint and the shard verifies."""
+    url = done_url(output, k)
+    fs, path = storage.filesystem(url)
+    try:
+        with fs.open(path, "rb") as f:
+            body = json.loads(f.read())
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+    if body.get("fingerprint") != fp:
+        return None
+    entry = ShardEntry(**body["entry"])
+    return entry if verify_shard(output, entry) else None
+
+
+def write_done(output: str, k: int, fp: str, entry: ShardEntry) -> None:
+    storage.write_bytes_atomic(done_url(output, k), json.dumps({"fingerprint": fp, "entry": asdict(entry)}).encode())
+
+
+_TOKENIZER = None
+
+
+def _tokenizer(run: Run):
+    global _TOKENIZER  # one per worker process
+    if _TOKENIZER is None:
+        _TOKENIZER = load_tokenizer(run)
+    return _TOKENIZER
+
+
+def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntry:
+    """Pass 2 for shard k; the shard and its marker are on storage when this returns."""
+    name = shard_name(k)
+    pieces = []
+    readers = []
+    for m in markers:
+        span = m["batches"].get(str(k))
+        if not span:
+            continue
+        spill, _ = _unit_paths(cfg.work, m["unit"])
+        source = pa.memory_map(spill, "r")
+        readers.append(source)
+        reader = pa.ipc.open_file(source)
+        pieces.extend(reader.get_batch(i) for i in range(span[0], span[0] + span[1]))
+    spill_schema = cfg.schema.append(pa.field(KEY, pa.int64()))
+    table = pa.Table.from_batches(pieces, schema=spill_schema)
+    table = table.take(pc.sort_indices(table.column(KEY))).drop_columns([KEY])
+    for r in readers:  # take() copied the rows: the spills can be unmapped
+        r.close()
+    lengths = _tokenizer(cfg.run).lengths_arrow(table.column(cfg.text_column))
+    tokens = int(lengths.sum()) + table.num_rows
+    remote = storage.is_remote(cfg.output)
+    url = storage.join(cfg.output, name)
+    fs, path = storage.filesystem(url)
+    tmp_dir = os.path.join(cfg.work, "tmp") if remote else os.path.dirname(path)
+    os.makedirs(tmp_dir, exist_ok=True)
+    tmp = os.path.join(tmp_dir, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        pq.write_table(table, tmp, row_group_size=SHARD_ROW_GROUP, compression="snappy")
+        if pq.ParquetFile(tmp).metadata.num_rows != table.num_rows:
+            raise RuntimeFailure(f"{tmp}: wrote {table.num_rows} rows but reads back fewer",
+                                 hint="check the disk (full?) and rerun")
+        entry = ShardEntry(name, table.num_rows, tokens, os.path.getsize(tmp), _sha256_file(tmp))
+        if remote:
+            fs.put_file(tmp, path)  # an object appears whole or not at all
+            os.remove(tmp)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    write_done(cfg.output, k, cfg.fingerprint, entry)
+    return entry
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+def _task(fn: Callable, *args: Any) -> tuple:
+    """Run one task in a worker; known errors travel back as plain tuples (they keep their hint)."""
+    try:
+        return ("ok", fn(*args))
+    except AgoraError as e:
+        return ("error", e.message, e.hint)
+    except Exception as e:
+        text = str(e).splitlines()[0] if str(e) else ""
+        return ("error", f"{type(e).__name__}: {text}", "rerun with AGORA_DEBUG=1 and --jobs 1 for the traceback")
+
+
+def _pool(jobs: int) -> Optional[ProcessPoolExecutor]:
+    """Worker processes for both passes; None runs tasks in this process.
+
+    fork where the platform has it: workers start in milliseconds and need no importable __main__
+    (fsspec resets its event loop in a forked child, and filesystems are made afresh per task);
+    spawn elsewhere.
+    """
+    if jobs <= 1:
+        return None
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context(method))
+
+
+def _run_tasks(pool: Optional[ProcessPoolExecutor], tasks: list[tuple], phase: str,
+               progress: Optional[Progress]) -> list[Any]:
+    results: list[Any] = [None] * len(tasks)
+    done = 0
+    if progress:
+        progress(phase, 0, len(tasks))
+
+    def take(i: int, out: tuple) -> None:
+        nonlocal done
+        if out[0] == "error":
+            raise RuntimeFailure(out[1], hint=out[2])
+        results[i] = out[1]
+        done += 1
+        if progress:
+            progress(phase, done, len(tasks))
+
+    if pool is None or len(tasks) <= 1:
+        debug = os.environ.get("AGORA_DEBUG") == "1"  # let the traceback through
+        for i, t in enumerate(tasks):
+            take(i, ("ok", t[0](*t[1:])) if debug else _task(*t))
+        return results
+    futures = {pool.submit(_task, *t): i for i, t in enumerate(tasks)}
+    pending = set(futures)
+    while pending:
+        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for f in finished:
+            try:
+                take(futures[f], f.result())
+            except BaseException:
+                for p in pending:
+                    p.cancel()
+                raise
+    return results
+
+
+def _check_output(output: str) -> None:
+    fs, path = storage.filesystem(output)
+    try:
+        if storage.is_remote(output):
+            bucket = path.split("/", 1)[0]
+            if not fs.exists(bucket):
+                raise RuntimeFailure(f"data.output {output}: the bucket {bucket!r} does not exist",
+                                     hint="create it first, or point data.output elsewhere")
+        else:
+            os.makedirs(path, exist_ok=True)
+    except RuntimeFailure:
+        raise
+    except Exception as e:
+        raise RuntimeFailure(f"data.output: {storage.describe_error(output, e)}",
+                             hint="check the URL, AGORA_S3_ENDPOINT_URL and AWS_* credentials")
+
+
+def _remove(output: str, names: list[str]) -> None:
+    for name in names:
+        url = storage.join(output, name)
+        fs, path = storage.filesystem(url)
+        try:
+            fs.rm(path)
+        except FileNotFoundError:
+            pass
+
+
+def _stale(output: str, num_shards: int) -> list[str]:
+    """Shard files and markers beyond num_shards, and temporaries left by a killed run."""
+    fs, path = storage.filesystem(output)
+    try:
+        names = [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
+        done = [os.path.basename(p) for p in fs.ls(storage.filesystem(storage.join(output, DONE_DIR))[1],
+                                                     detail=False)] if DONE_DIR in names else []
+    except FileNotFoundError:
+        return []
+    out = [n for n in names if n.startswith(".shard-") and n.endswith(".tmp")]
+    for n in names:
+        if n.startswith("shard-") and n.endswith(".parquet") and n[6:11].isdigit() and int(n[6:11]) >= num_shards:
+            out.append(n)
+    out += [f"{DONE_DIR}/{n}" for n in done if n[6:11].isdigit() and int(n[6:11]) >= num_shards]
+    return out
+
+
+def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_dir: Optional[str] = None,
+            unit_bytes: int = UNIT_BYTES) -> Result:
+    """Re-shard ``run.data.source`` into ``run.data.num_shards`` shards under ``run.data.output``."""
+    d = run.data
+    tokenizer = load_tokenizer(run).describe()
+    urls = list_files(d.source)
+    files = inspect_all(urls, d.text_column, d.id_column, need_int_score=d.min_int_score is not None)
+    fp = fingerprint(run, files, tokenizer)
+    output = d.output
+    _check_output(output)
+    existing = None
+    try:
+        existing = read_index(output)
+    except RuntimeFailure:
+        pass
+    num = d.num_shards
+    if existing and existing.fingerprint == fp and all(verify_shard(output, e) for e in existing.shards):
+        return Result(existing, index_url(output), 0)
+    if existing and existing.fingerprint == fp:
+        for k, e in enumerate(existing.shards):  # keep the good shards of a damaged corpus
+            if verify_shard(output, e):
+                write_done(output, k, fp, e)
+    # Anything that will change must first stop being claimed by an index.
+    _remove(output, ["index.json"] if existing is not None or _exists(index_url(output)) else [])
+    _remove(output, _stale(output, num))
+
+    work = work_dir or default_work_dir(output)
+    plan_file = os.path.join(work, "plan.json")
+    if (_read_json(plan_file) or {}).get("fingerprint") != fp:
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work, exist_ok=True)
+        with open(plan_file, "w") as f:
+            json.dump({"fingerprint": fp, "output": output, "source": d.source}, f)
+    schema = common_schema(files, d.text_column, d.id_column)
+    cfg = Config(run, fp, output, work, schema, sum(f.rows for f in files), num, d.seed, d.text_column,
+                 d.min_int_score)
+    units = plan_units(files, unit_bytes)
+    entries: list[Optional[ShardEntry]] = [read_done(output, k, fp) for k in range(num)]
+    todo = [k for k in range(num) if entries[k] is None]
+    pool = _pool(min(jobs, max(len(units), len(todo))))
+    try:
+        markers = _run_tasks(pool, [(deal_unit, cfg, u) for u in units], "deal", progress)
+        slim = [{"unit": m["unit"], "batches": m["batches"]} for m in markers]
+        written = _run_tasks(pool, [(write_shard, cfg, k, slim) for k in todo], "write", progress)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    for k, e in zip(todo, written):
+        entries[k] = e
+
+    dropped = {"empty": sum(m["dropped"]["empty"] for m in markers),
+               "min_int_score": sum(m["dropped"]["min_int_score"] for m in markers)}
+    shards = [e for e in entries if e is not None]
+    index = ShardIndex(fingerprint=fp, seed=d.seed, num_shards=num, text_column=d.text_column,
+                       id_column=d.id_column, min_int_score=d.min_int_score, tokenizer=tokenizer,
+                       sources=[{"url": f.url, "bytes": f.size, "rows": f.rows} for f in files],
+                       rows=sum(e.rows for e in shards), tokens=sum(e.tokens for e in shards), dropped=dropped,
+                       shards=shards)
+    url = write_index(output, index)
+    # The index now vouches for the shards: markers and spills are no longer needed.
+    fs, path = storage.filesystem(storage.join(output, DONE_DIR))
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(work, ignore_errors=True)
+    return Result(index, url, len(todo))
+
+
+def _exists(url: str) -> bool:
+    fs, path = storage.filesystem(url)
+    try:
+        return fs.exists(path)
+    except Exception:
+        return False

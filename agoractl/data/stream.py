@@ -1,0 +1,285 @@
+"""The streaming reader: packed training sequences from a trainer's shards (report §3.3.2.1).
+
+A shard is read document by document in its stored (pre-shuffled) order; each document becomes
+``encode(text) + [eos]`` and the concatenation is cut into non-overlapping sequences of
+``seq_len + 1`` tokens (inputs and shifted labels). The tail of a shard shorter than that is left
+unread, which is exactly the ledger's definition of an exhausted shard. A trainer reads its holdings
+one after the other; when all are exhausted it reports its consumption, re-reads the ledger and
+continues with a newly assigned shard (live pick-up) or ends.
+
+Resumption is exact: a position records, per holding, the tokens consumed and, for the holding being
+read, the document and token where the next sequence starts, so a resumed reader yields exactly the
+sequences an uninterrupted one would.
+
+``run_sequences`` is the whole run's stream for the centralized reference: trainers 0..count-1
+interleaved round-robin, each over the initial assignment, rotating in memory as they exhaust.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional, Protocol
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from agoractl import storage
+from agoractl.data.index import ShardIndex, read_index
+from agoractl.data.ledger import (Holding, Ledger, ensure_ledger, fold_reports, initial_ledger, read_ledger,
+                                  rotate, write_progress)
+from agoractl.data.tokenizers import Tokenizer, load_tokenizer
+from agoractl.errors import RuntimeFailure
+from agoractl.manifest.schema import Run
+
+
+class LedgerSource(Protocol):
+    """Where a trainer's assignment comes from, and where its consumption goes."""
+
+    def assignment(self, trainer: int) -> Optional[list[Holding]]: ...
+
+    def report(self, trainer: int, holdings: list[Holding], position: Any) -> None: ...
+
+
+class LedgerFile:
+    """The shared ``ledger.json`` under data.output; reports go to the trainer's own progress file."""
+
+    def __init__(self, run: Run, index: ShardIndex):
+        self.output = run.data.output
+        ensure_ledger(self.output, index, run.trainers.count, run.trainers.shards_per_trainer,
+                      run.model.seq_len, run.data.seed)
+
+    def assignment(self, trainer: int) -> Optional[list[Holding]]:
+        ledger = read_ledger(self.output)
+        t = ledger.trainer(trainer) if ledger else None
+        return None if t is None else t.holdings
+
+    def report(self, trainer: int, holdings: list[Holding], position: Any) -> None:
+        write_progress(self.output, trainer, holdings, position)
+
+
+class LedgerMemory:
+    """An in-memory ledger that rotates a trainer as soon as it reports exhaustion (central reference)."""
+
+    def __init__(self, ledger: Ledger, index: ShardIndex, trainers: int, wrap: bool = False):
+        self.ledger, self.index, self.trainers, self.wrap = ledger, index, trainers, wrap
+
+    def assignment(self, trainer: int) -> Optional[list[Holding]]:
+        t = self.ledger.trainer(trainer)
+        return None if t is None else [Holding(**h.__dict__) for h in t.holdings]
+
+    def report(self, trainer: int, holdings: list[Holding], position: Any) -> None:
+        fold_reports(self.ledger, [{"trainer": trainer, "holdings": [h.__dict__ for h in holdings]}])
+        rotate(self.ledger, self.index, self.trainers, wrap=self.wrap, only={trainer})
+
+
+def check_tokenizer(index: ShardIndex, tok: Tokenizer, output: str) -> None:
+    """The index's token counts hold only under the tokenizer it was made with."""
+    have, want = tok.describe(), index.tokenizer
+    if {k: have.get(k) for k in ("kind", "vocab_size", "eos_id", "sha256")} != \
+            {k: want.get(k) for k in ("kind", "vocab_size", "eos_id", "sha256")}:
+        raise RuntimeFailure(f"{output}/index.json was made with tokenizer {want.get('kind')} "
+                             f"(vocab {want.get('vocab_size')}); the manifest's is {have['kind']} "
+                             f"(vocab {have['vocab_size']})", hint="rerun `agoractl shard FILE` with this manifest")
+
+
+class TrainerStream:
+    """Packed ``seq_len + 1`` token sequences (torch.LongTensor) over one trainer's holdings."""
+
+    def __init__(self, run: Run, trainer_index: int, position: Optional[dict[str, Any]] = None, *,
+                 index: Optional[ShardIndex] = None, source: Optional[LedgerSource] = None,
+                 tokenizer: Optional[Tokenizer] = None, wait_s: float = 0.0, poll_s: float = 1.0):
+        self.run, self.trainer = run, trainer_index
+        self.output = run.data.output
+        self.index = index or read_index(self.output)
+        self.tok = tokenizer or load_tokenizer(run)
+        check_tokenizer(self.index, self.tok, self.output)
+        self.source: LedgerSource = source or LedgerFile(run, self.index)
+        self.seq_len = run.model.seq_len
+        self.wait_s, self.poll_s = wait_s, poll_s
+        self.text_column = self.index.text_column
+        holdings = self.source.assignment(trainer_index)
+        if holdings is None:
+            raise RuntimeFailure(f"trainer {trainer_index} has no entry in {self.output}/ledger.json",
+                                 hint="run `agoractl rotate-shards FILE` (with trainers.count covering it) to assign shards")
+        self.holdings: list[Holding] = holdings
+        self.current = 0
+        self.row: Optional[int] = None
+        self.token = 0
+        if position is not None:
+            self._restore(position)
+        self._gen: Optional[Iterator[torch.Tensor]] = None
+
+    # -- position -------------------------------------------------------------------------------
+
+    def position(self) -> dict[str, Any]:
+        """A JSON-able resume point: the holdings with consumption, and where the next sequence starts."""
+        return {"trainer": self.trainer, "holdings": [dict(h.__dict__) for h in self.holdings],
+                "current": self.current, "row": self.row, "token": self.token}
+
+    def tokens_consumed(self) -> dict[int, int]:
+        """Tokens consumed so far per shard of the current assignment."""
+        return {h.shard: h.consumed for h in self.holdings}
+
+    def _restore(self, pos: dict[str, Any]) -> None:
+        saved = [Holding(**h) for h in pos["holdings"]]
+        if [h.key() for h in saved] != [h.key() for h in self.holdings]:
+            # The ledger moved on (the trainer was rotated after the save): follow the ledger, whose
+            # consumption counts are where reading resumes.
+            return
+        self.holdings = saved
+        self.current, self.row, self.token = int(pos["current"]), pos["row"], int(pos["token"])
+
+    # -- iteration ------------------------------------------------------------------------------
+
+    def __iter__(self) -> "TrainerStream":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._gen is None:
+            self._gen = self._sequences()
+        return next(self._gen)
+
+    def _sequences(self) -> Iterator[torch.Tensor]:
+        while True:
+            while self.current < len(self.holdings):
+                h = self.holdings[self.current]
+                if not h.exhausted(self.seq_len):
+                    yield from self._read_holding(h)
+                self.current += 1
+                self.row, self.token = None, 0
+            self.source.report(self.trainer, self.holdings, self.position())
+            new = self._await_assignment()
+            if new is None:
+                return
+            self.holdings, self.current, self.row, self.token = new, 0, None, 0
+
+    def _await_assignment(self) -> Optional[list[Holding]]:
+        """A new, not yet exhausted assignment from the ledger, polling up to wait_s seconds."""
+        deadline = time.monotonic() + self.wait_s
+        old = [h.key() for h in self.holdings]
+        while True:
+            new = self.source.assignment(self.trainer)
+            if new and [h.key() for h in new] != old and not all(h.exhausted(self.seq_len) for h in new):
+                return new
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(self.poll_s)
+
+    def _read_holding(self, h: Holding) -> Iterator[torch.Tensor]:
+        L1 = self.seq_len + 1
+        url = self.index.shard_url(self.output, h.shard)
+        if self.row is None:
+            self.row, self.token = self._locate(url, h.consumed)
+        start_row, start_tok = self.row, self.token
+        pending: list[list[Any]] = []  # [row, first token, tokens]: what is read but not yet yielded
+        have = 0
+        last_row = start_row - 1
+        for r, text in self._documents(url, start_row):
+            arr = np.append(self.tok.encode_array(text), self.tok.eos_id)
+            first = start_tok if r == start_row else 0
+            if first:
+                arr = arr[first:]
+            pending.append([r, first, arr])
+            have += len(arr)
+            last_row = r
+            while have >= L1:
+                parts, need = [], L1
+                while need:
+                    head = pending[0]
+                    take = min(need, len(head[2]))
+                    parts.append(head[2][:take])
+                    need -= take
+                    if take == len(head[2]):
+                        pending.pop(0)
+                    else:
+                        head[1] += take
+                        head[2] = head[2][take:]
+                have -= L1
+                h.consumed += L1
+                self.row, self.token = (pending[0][0], pending[0][1]) if pending else (last_row + 1, 0)
+                yield torch.from_numpy(np.concatenate(parts).astype(np.int64))
+        if have != h.tokens - h.consumed:
+            raise RuntimeFailure(f"{url}: holds {h.consumed + have} tokens but the index says {h.tokens}",
+                                 hint="the shard or the tokenizer changed; rerun `agoractl shard FILE`")
+        h.consumed = h.tokens - have  # the unread tail is shorter than one sequence: exhausted
+
+    def _documents(self, url: str, start_row: int) -> Iterator[tuple[int, str]]:
+        """(row, text) from `start_row` on, one row group in memory at a time."""
+        fs, path = storage.filesystem(url)
+        try:
+            f = fs.open(path, "rb")
+            pf = pq.ParquetFile(f)
+        except Exception as e:
+            raise RuntimeFailure(storage.describe_error(url, e), hint="rerun `agoractl shard FILE`")
+        with f:
+            base = 0
+            for g in range(pf.metadata.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                if base + n <= start_row:
+                    base += n
+                    continue
+                texts = pf.read_row_group(g, columns=[self.text_column]).column(0).to_pylist()
+                for j in range(max(0, start_row - base), n):
+                    yield base + j, texts[j]
+                base += n
+
+    def _locate(self, url: str, consumed: int) -> tuple[int, int]:
+        """The (row, token) where the `consumed`-th token of a shard lies."""
+        if consumed == 0:
+            return 0, 0
+        fs, path = storage.filesystem(url)
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            base_row, base_tok = 0, 0
+            for g in range(pf.metadata.num_row_groups):
+                texts = pf.read_row_group(g, columns=[self.text_column]).column(0)
+                lengths = self.tok.lengths_arrow(texts) + 1
+                total = int(lengths.sum())
+                if base_tok + total > consumed:
+                    ends = base_tok + np.cumsum(lengths)
+                    j = int(np.searchsorted(ends, consumed, side="right"))  # document holding the token
+                    start = int(ends[j - 1]) if j else base_tok
+                    return base_row + j, consumed - start
+                base_row += len(lengths)
+                base_tok += total
+        return base_row, 0
+
+
+def trainer_stream(run: Run, trainer_index: int, position: Optional[dict[str, Any]] = None,
+                   wait_s: float = 0.0, poll_s: float = 1.0) -> TrainerStream:
+    """The stream of trainer `trainer_index` over the shards the ledger assigns it.
+
+    Creates the initial ledger when missing. `position` (from ``.position()``) resumes exactly. When
+    its shards are exhausted the stream reports, then waits up to `wait_s` seconds for rotation to
+    assign new ones before it ends.
+    """
+    return TrainerStream(run, trainer_index, position, wait_s=wait_s, poll_s=poll_s)
+
+
+def report_progress(run: Run, trainer_index: int, stream: TrainerStream) -> str:
+    """Write the trainer's consumption to ``<data.output>/progress/trainer-NNNNN.json`` (atomically)."""
+    return write_progress(run.data.output, trainer_index, stream.holdings, stream.position())
+
+
+def run_sequences(run: Run, wrap: bool = False) -> Iterator[torch.Tensor]:
+    """The whole run's sequences for the centralized reference: trainers interleaved round-robin.
+
+    Deterministic: built from the index and the initial assignment (never from the shared ledger's
+    live state), so a central run sees the samples the swarm's trainers start from.
+    """
+    index = read_index(run.data.output)
+    tok = load_tokenizer(run)
+    count = run.trainers.count
+    ledger = initial_ledger(index, count, run.trainers.shards_per_trainer, run.model.seq_len, run.data.seed)
+    source = LedgerMemory(ledger, index, count, wrap=wrap)
+    streams = [TrainerStream(run, i, index=index, source=source, tokenizer=tok) for i in range(count)]
+    while streams:
+        alive = []
+        for s in streams:
+            try:
+                yield next(s)
+                alive.append(s)
+            except StopIteration:
+                pass
+        streams = alive
