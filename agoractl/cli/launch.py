@@ -3,7 +3,80 @@ centralized reference. Thin: parse, call the runtime, render."""
 
 from __future__ import annotations
 
+import itertools
+from typing import Annotated, Optional
+
 import typer
+
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.output import emit, note, stdout
+from agoractl.errors import UsageError
 
 app = typer.Typer(help="Start nodes of a run, a whole local swarm, or the centralized reference.",
                   no_args_is_help=True)
+
+
+@app.command(epilog="Examples:\n\n  agoractl launch central manifests/local-cpu.yaml\n\n"
+                    "  agoractl launch central manifests/local-cpu.yaml --set training.max_steps=20 --json")
+def central(
+    manifest: ManifestArg,
+    set_: SetOpt = None,
+    device: Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="torch threads; default local.threads_per_process.",
+                                                   min=1)] = None,
+    microbatch: Annotated[Optional[int], typer.Option(
+        help="Samples per forward/backward pass (gradients accumulate to the global batch); "
+             "default workers.max_microbatch.", min=1)] = None,
+    wrap: Annotated[bool, typer.Option("--wrap", help="Start another epoch over the shards when the corpus "
+                                                      "is used up, instead of ending early.")] = False,
+    log_every: Annotated[int, typer.Option(help="A progress line on stderr every this many steps.", min=1)] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """The centralized reference (report §5.5): the whole model in one process, on the run's data stream,
+    with the same global batch, optimizer, schedule and clipping as the swarm. Writes
+    <local.run_dir>/central-report.json (steps, tokens, tokens_per_s, loss, final_loss)."""
+    import torch
+
+    from agoractl.data.stream import run_sequences
+    from agoractl.runtime.central import pick_device, train_central
+    from agoractl.runtime.report import write_report
+
+    run = load(manifest, set_)
+    if run.model.family != "llama":
+        raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
+                         hint="use a manifest with model.family: llama")
+    try:
+        dev = pick_device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device}: not a device name", hint="use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu")
+    torch.set_num_threads(threads or run.local.threads_per_process)
+    # Open the stream before announcing anything: a missing shard index is the first line printed.
+    samples = run_sequences(run, wrap=wrap)
+    first = next(samples, None)
+    samples = itertools.chain([] if first is None else [first], samples)
+    note(f"central: {run.metadata.name} on {dev}, {run.training.max_steps} steps of "
+         f"{run.training.global_batch_size} x {run.model.seq_len} tokens")
+
+    def progress(s: dict) -> None:
+        if (s["step"] + 1) % log_every == 0 or s["step"] == 0 or s["step"] + 1 == run.training.max_steps:
+            norms = " ".join(f"{k}={v:.3f}" for k, v in s["grad_norm"].items())
+            note(f"step {s['step'] + 1}/{run.training.max_steps}  loss {s['loss']:.4f}  lr {s['lr']:.2e}  "
+                 f"{s['tokens_per_s']:.0f} tok/s  grad norm {norms}")
+
+    report = train_central(run, samples, dev, microbatch, progress)
+    path = write_report(run.local.run_dir, "central-report.json", report)
+    if not report["completed"]:
+        note(f"the data stream ran out after {report['steps']} of {run.training.max_steps} steps "
+             "(pass --wrap to start another epoch)")
+    report["report_path"] = path
+    emit(report, as_json, _render_central)
+
+
+def _render_central(r: dict) -> None:
+    first = r["loss"][0][1]
+    stdout.print(f"{r['name']}: {r['steps']} steps, {r['tokens']:,} tokens in {r['elapsed_s']:.1f} s "
+                 f"({r['tokens_per_s']:,.0f} tokens/s on {r['device']})")
+    stdout.print(f"loss {first:.4f} -> {r['final_loss']:.4f} (mean of the last steps)")
+    stdout.print(f"report: {r['report_path']}")
