@@ -35,6 +35,8 @@ from agoractl.runtime.codec import BoundaryCodec
 from agoractl.runtime.subspace import SubspaceEmbedding, SubspaceLinear, seeded_generator
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+AUTOCAST_DEVICES = ("cuda",)
+"""Device types where ``training.precision: bf16`` turns on autocast (CPU bf16 is slow on most CPUs)."""
 
 
 class RMSNorm(nn.Module):
@@ -164,7 +166,7 @@ class _Decoder(nn.Module):
 
     def _autocast(self, device: torch.device):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                              enabled=self.precision == "bf16" and device.type == "cuda")
+                              enabled=self.precision == "bf16" and device.type in AUTOCAST_DEVICES)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, SubspaceEmbedding):
