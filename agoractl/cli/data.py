@@ -49,3 +49,19 @@ def _render(data: dict) -> None:
         table.add_row(f["path"], str(f["rows"]), human_bytes(f["bytes"]))
     stdout.print(table)
     stdout.print(f"{data['rows']} documents, {human_bytes(data['bytes'])} in {data['out']} (seed {data['seed']})")
+
+
+def demo_steps(manifest: Path) -> list[list[str]]:
+    """The demo's data steps: write the sample corpus where data.source points (when it is a local
+    glob or directory), then re-shard it."""
+    import glob
+    import os
+
+    from agoractl.manifest.loader import load_manifest
+
+    source = load_manifest(manifest, []).data.source
+    out = []
+    if "://" not in source:
+        directory = os.path.dirname(source) if glob.has_magic(source) or source.endswith(".parquet") else source
+        out.append(["data", "sample", "--out", directory or "."])
+    return out + [["shard", str(manifest)]]

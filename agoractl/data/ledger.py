@@ -16,10 +16,13 @@ read/write helpers at the bottom is a pure function of its inputs.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -281,3 +284,45 @@ def read_progress(output: str) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
     return out
+
+
+@contextmanager
+def ledger_lock(output: str) -> Iterator[None]:
+    """Serialise ledger rewrites on a local output (two operators rotating at once); no-op on S3."""
+    if storage.is_remote(output):
+        yield
+        return
+    path = storage.filesystem(output)[1]
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, ".ledger.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def rotate_shards(output: str, index: ShardIndex, trainers: int, shards_per_trainer: int, seq_len: int,
+                  seed: int, wrap: bool = False, dry_run: bool = False) -> dict[str, Any]:
+    """Fold the trainers' progress reports into the ledger, rotate exhausted trainers, rewrite it.
+
+    The ledger is rewritten (atomically) only when something changed and not in `dry_run`; a second
+    run right after the first changes nothing.
+    """
+    with ledger_lock(output):
+        ledger = ensure_ledger(output, index, trainers, shards_per_trainer, seq_len, seed)
+        folded = fold_reports(ledger, read_progress(output))
+        result = rotate(ledger, index, trainers, wrap=wrap)
+        changed = bool(folded or result.rotated)
+        if changed and not result.rotated:
+            ledger.generation += 1
+        if changed and not dry_run:
+            write_ledger(output, ledger)
+    return {
+        "ledger": ledger_url(output), "dry_run": dry_run, "changed": changed, "written": changed and not dry_run,
+        "generation": ledger.generation, "epoch": ledger.epoch, "folded": folded, "rotated": result.rotated,
+        "starved": result.starved, "unassigned": result.unassigned, "corpus_used_up": result.corpus_used_up,
+        "trainers": [{"trainer": t.trainer, "shards": [h.shard for h in t.holdings],
+                      "consumed": [h.consumed for h in t.holdings], "tokens": [h.tokens for h in t.holdings],
+                      "exhausted": t.exhausted(ledger.seq_len)} for t in ledger.trainers],
+    }

@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 from agoractl import storage
 from agoractl.data.index import FORMAT, ShardEntry, ShardIndex, index_url, read_index, shard_name, write_index
 from agoractl.data.permutation import Permutation
-from agoractl.data.sources import SourceFile, common_schema, inspect_all, list_files, read_groups
+from agoractl.data.sources import (SourceFile, common_schema, describe_error, inspect_all, list_files, read_groups,
+                                   store_hint)
 from agoractl.data.tokenizers import load_tokenizer
 from agoractl.errors import AgoraError, RuntimeFailure
 from agoractl.manifest.schema import Run
@@ -225,14 +226,15 @@ def write_done(output: str, k: int, fp: str, entry: ShardEntry) -> None:
     storage.write_bytes_atomic(done_url(output, k), json.dumps({"fingerprint": fp, "entry": asdict(entry)}).encode())
 
 
-_TOKENIZER = None
+_TOKENIZERS: dict[str, Any] = {}
 
 
 def _tokenizer(run: Run):
-    global _TOKENIZER  # one per worker process
-    if _TOKENIZER is None:
-        _TOKENIZER = load_tokenizer(run)
-    return _TOKENIZER
+    """Loaded once per process and tokenizer configuration."""
+    key = run.tokenizer.model_dump_json()
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(run)
+    return _TOKENIZERS[key]
 
 
 def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntry:
@@ -355,8 +357,7 @@ def _check_output(output: str) -> None:
     except RuntimeFailure:
         raise
     except Exception as e:
-        raise RuntimeFailure(f"data.output: {storage.describe_error(output, e)}",
-                             hint="check the URL, AGORA_S3_ENDPOINT_URL and AWS_* credentials")
+        raise RuntimeFailure(f"data.output: {describe_error(output, e)}", hint=store_hint(output))
 
 
 def _remove(output: str, names: list[str]) -> None:

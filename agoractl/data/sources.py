@@ -34,6 +34,23 @@ class SourceFile:
     schema: pa.Schema
 
 
+def describe_error(url: str, exc: BaseException) -> str:
+    """One line naming the URL and what went wrong."""
+    if url.startswith("hf://"):
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{url}: {type(exc).__name__}: {text}"
+    return storage.describe_error(url, exc)
+
+
+def store_hint(url: str) -> str:
+    """What to check when `url` cannot be read."""
+    if url.startswith("s3://"):
+        return "check AGORA_S3_ENDPOINT_URL, the AWS_* credentials and that the bucket exists"
+    if url.startswith("hf://"):
+        return "check the network (hf:// reads from huggingface.co) and HF_TOKEN for gated datasets"
+    return "check the path and its permissions"
+
+
 def _url(fs, source: str, path: str) -> str:
     if storage.is_remote(source):
         return fs.unstrip_protocol(path)
@@ -56,8 +73,7 @@ def list_files(source: str) -> list[str]:
     except RuntimeFailure:
         raise
     except Exception as e:
-        raise RuntimeFailure(f"data.source: {storage.describe_error(source, e)}",
-                             hint="check the URL, the network, AGORA_S3_ENDPOINT_URL and AWS_* credentials")
+        raise RuntimeFailure(f"data.source: {describe_error(source, e)}", hint=store_hint(source))
     if not paths:
         raise RuntimeFailure(f"data.source {source}: no parquet files match",
                              hint="fix data.source (a path, directory or glob), or make a corpus with "
@@ -77,9 +93,9 @@ def inspect(url: str, text_column: str, id_column: str, need_int_score: bool = F
         if isinstance(e, pa.ArrowInvalid) or "magic" in str(e).lower() or "footer" in str(e).lower():
             raise RuntimeFailure(f"{url}: not a parquet file, or truncated ({str(e).splitlines()[0][:120]})",
                                  hint="remove it from data.source or fetch it again")
-        raise RuntimeFailure(storage.describe_error(url, e), hint="check that the store is reachable")
+        raise RuntimeFailure(describe_error(url, e), hint=store_hint(url))
     except Exception as e:
-        raise RuntimeFailure(storage.describe_error(url, e), hint="check that the store is reachable")
+        raise RuntimeFailure(describe_error(url, e), hint=store_hint(url))
     names = schema.names
     for column, field in ((text_column, "data.text_column"), (id_column, "data.id_column")):
         if column not in names:

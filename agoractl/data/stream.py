@@ -160,7 +160,9 @@ class TrainerStream:
         old = [h.key() for h in self.holdings]
         while True:
             new = self.source.assignment(self.trainer)
-            if new and [h.key() for h in new] != old and not all(h.exhausted(self.seq_len) for h in new):
+            if not new:  # no entry, or rotation left it nothing: the corpus is used up for this trainer
+                return None
+            if [h.key() for h in new] != old and not all(h.exhausted(self.seq_len) for h in new):
                 return new
             if time.monotonic() >= deadline:
                 return None
