@@ -40,6 +40,7 @@ def steps(manifest: Path) -> list[list[str]]:
     return [
         ["manifest", "validate", m],
         ["manifest", "plan", m],
+        *__import__("agoractl.cli.data", fromlist=["demo_steps"]).demo_steps(manifest),
     ]
 
 

@@ -28,6 +28,7 @@ app.add_typer(__import__("agoractl.cli.checkpoint", fromlist=["app"]).app, name=
 app.add_typer(__import__("agoractl.cli.analyze", fromlist=["app"]).app, name="analyze")
 app.add_typer(__import__("agoractl.cli.data", fromlist=["app"]).app, name="data")
 app.command(name="shard")(__import__("agoractl.cli.shard", fromlist=["shard"]).shard)
+app.command(name="rotate-shards")(__import__("agoractl.cli.rotate", fromlist=["rotate_shards"]).rotate_shards)
 app.command(name="demo")(demo.demo)
 
 
