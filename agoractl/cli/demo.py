@@ -41,6 +41,7 @@ def steps(manifest: Path) -> list[list[str]]:
         ["manifest", "validate", m],
         ["manifest", "plan", m],
         *__import__("agoractl.cli.data", fromlist=["demo_steps"]).demo_steps(manifest),
+        ["launch", "central", m, "--set", "training.max_steps=20"],
     ]
 
 
