@@ -151,7 +151,7 @@ class Block(nn.Module):
 class _Decoder(nn.Module):
     """The parts a piece of the decoder may own: embedding, blocks [start, stop), final norm + LM head."""
 
-    def _build(self, run: Run, start: int, stop: int, embed: bool, head: bool) -> None:
+    def _build(self, run: Run, start: int, stop: int, embed: bool, lm_head: bool) -> None:
         m = run.model
         self.precision = run.training.precision
         self.codec = BoundaryCodec(m)
@@ -160,7 +160,7 @@ class _Decoder(nn.Module):
             self.embed = SubspaceEmbedding(m.vocab_size, m.ssn.rank) if m.ssn.rank else nn.Embedding(m.vocab_size,
                                                                                                      m.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(m) for i in range(start, stop)})
-        if head:
+        if lm_head:
             self.norm = RMSNorm(m.d_model, m.norm_eps)
             self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
 
@@ -205,7 +205,7 @@ class LlamaStage(StageModule, _Decoder):
         stage = run.stages[index]
         self.index, self.role, self.name = index, stage.role, run.stage_names()[index]
         start, stop = run.layer_range(index)
-        self._build(run, start, stop, embed=self.role == "head", head=self.role == "tail")
+        self._build(run, start, stop, embed=self.role == "head", lm_head=self.role == "tail")
 
     @property
     def wire_width(self) -> int:
@@ -238,7 +238,7 @@ class LlamaModel(_Decoder):
 
     def __init__(self, run: Run):
         super().__init__()
-        self._build(run, 0, run.model.n_layers, embed=True, head=True)
+        self._build(run, 0, run.model.n_layers, embed=True, lm_head=True)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         with self._autocast(tokens.device):

@@ -48,7 +48,7 @@ class SurrogateBlock(nn.Module):
 
 
 class _SurrogateParts(nn.Module):
-    def _build(self, run: Run, start: int, stop: int, embed: bool, head: bool, dummies: list[int]) -> None:
+    def _build(self, run: Run, start: int, stop: int, embed: bool, lm_head: bool, dummies: list[int]) -> None:
         m = run.model
         self.d_model = m.d_model
         self.forward_delay_s = m.surrogate.forward_delay_ms / 1000.0
@@ -56,7 +56,7 @@ class _SurrogateParts(nn.Module):
         if embed:
             self.embed = nn.Embedding(m.vocab_size, m.d_model)
         self.blocks = nn.ModuleDict({str(i): SurrogateBlock(m.d_model) for i in range(start, stop)})
-        if head:
+        if lm_head:
             self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
         if m.surrogate.dummy_params:
             self.dummy = nn.ParameterDict({str(i): nn.Parameter(torch.empty(m.surrogate.dummy_params))
@@ -79,7 +79,7 @@ class SurrogateStage(StageModule, _SurrogateParts):
         stage = run.stages[index]
         self.index, self.role, self.name = index, stage.role, run.stage_names()[index]
         start, stop = run.layer_range(index)
-        self._build(run, start, stop, embed=self.role == "head", head=self.role == "tail", dummies=[index])
+        self._build(run, start, stop, embed=self.role == "head", lm_head=self.role == "tail", dummies=[index])
 
     @property
     def wire_width(self) -> int:
@@ -108,7 +108,7 @@ class SurrogateModel(_SurrogateParts):
     def __init__(self, run: Run):
         super().__init__()
         self.n_stages = len(run.stages)
-        self._build(run, 0, run.model.n_layers, embed=True, head=True, dummies=list(range(self.n_stages)))
+        self._build(run, 0, run.model.n_layers, embed=True, lm_head=True, dummies=list(range(self.n_stages)))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
