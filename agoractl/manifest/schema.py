@@ -209,6 +209,8 @@ class Workers(Section):
     """Coalescing cap: most samples merged into one compute pass (report §3.3.1.3)."""
     announce_period_s: float = Field(5.0, gt=0)
     """Seconds between DHT re-announcements; records expire after 3 periods."""
+    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Dtype of activations and activation gradients crossing stage boundaries (SSN coordinates)."""
     self_termination: SelfTermination = SelfTermination()
 
 
