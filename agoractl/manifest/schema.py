@@ -164,6 +164,10 @@ class Sparta(Section):
     """Seed of the segment tiling, derived by every replica, never broadcast."""
     wire_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of averaged values on the wire."""
+    chunk_bytes: int = Field(2**19, ge=1024)
+    """Size of one streamed all-reduce chunk, in bytes (hivemind's part size; every replica must agree)."""
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    """A sender silent for this many seconds between chunks is banned from the round; a reducer gets twice it."""
 
 
 class FGDiLoCo(Section):
@@ -202,6 +206,8 @@ class SelfTermination(Section):
     """Window of recent rounds for allreduce_failures (report: 3)."""
     max_ram_fraction: float = Field(0.95, gt=0, le=1)
     """Exit when host RAM use exceeds this fraction."""
+    dht_unreachable_s: float = Field(60.0, gt=0)
+    """Exit when the DHT (peer-to-peer connectivity, the run's progress) stays unreachable this long, in seconds."""
 
 
 class Workers(Section):
