@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from agoractl import storage
+from agoractl.data import remote
 from agoractl.errors import RuntimeFailure
 
 FORMAT = "agoractl-shards/v1"
@@ -75,10 +76,8 @@ class ShardIndex:
 def read_index(output: str) -> ShardIndex:
     """The index under `output`; a one-line RuntimeFailure saying what to run when it is missing."""
     url = index_url(output)
-    fs, path = storage.filesystem(url)
     try:
-        with fs.open(path, "rb") as f:
-            data = f.read()
+        data = remote.read_bytes(url)
     except FileNotFoundError:
         raise RuntimeFailure(f"no shard index at {url}",
                              hint="run `agoractl data sample --out DIR` (or point data.source at a corpus) "
@@ -90,5 +89,5 @@ def read_index(output: str) -> ShardIndex:
 
 def write_index(output: str, index: ShardIndex) -> str:
     url = index_url(output)
-    storage.write_bytes_atomic(url, index.to_json())
+    remote.write_bytes(url, index.to_json())
     return url

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 
 from agoractl import storage
+from agoractl.data import remote
 from agoractl.data.index import ShardIndex
 from agoractl.errors import RuntimeFailure
 
@@ -224,10 +225,8 @@ def progress_url(output: str, trainer: int) -> str:
 
 def read_ledger(output: str) -> Optional[Ledger]:
     url = ledger_url(output)
-    fs, path = storage.filesystem(url)
     try:
-        with fs.open(path, "rb") as f:
-            return Ledger.from_json(f.read(), url)
+        return Ledger.from_json(remote.read_bytes(url), url)
     except FileNotFoundError:
         return None
     except RuntimeFailure:
@@ -238,7 +237,7 @@ def read_ledger(output: str) -> Optional[Ledger]:
 
 def write_ledger(output: str, ledger: Ledger) -> str:
     url = ledger_url(output)
-    storage.write_bytes_atomic(url, ledger.to_json())
+    remote.write_bytes(url, ledger.to_json())
     return url
 
 
@@ -264,23 +263,19 @@ def write_progress(output: str, trainer: int, holdings: list[Holding], position:
     url = progress_url(output, trainer)
     body = {"trainer": trainer, "holdings": [asdict(h) for h in holdings], "position": position,
             "time": time.time()}
-    storage.write_bytes_atomic(url, (json.dumps(body) + "\n").encode())
+    remote.write_bytes(url, (json.dumps(body) + "\n").encode())
     return url
 
 
 def read_progress(output: str) -> list[dict[str, Any]]:
     """Every trainer's latest report (unreadable ones are skipped: a report is advisory)."""
     url = storage.join(output, PROGRESS_DIR)
-    fs, path = storage.filesystem(url)
-    try:
-        files = sorted(fs.glob(path.rstrip("/") + "/trainer-*.json"))
-    except FileNotFoundError:
-        return []
     out = []
-    for f in files:
+    for name in sorted(remote.listing(url)):
+        if not (name.startswith("trainer-") and name.endswith(".json")):
+            continue
         try:
-            with fs.open(f, "rb") as fh:
-                out.append(json.loads(fh.read()))
+            out.append(json.loads(remote.read_bytes(storage.join(url, name))))
         except (OSError, ValueError):
             continue
     return out

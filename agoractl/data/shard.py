@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from agoractl import storage
+from agoractl.data import remote
 from agoractl.data.index import FORMAT, ShardEntry, ShardIndex, index_url, read_index, shard_name, write_index
 from agoractl.data.permutation import Permutation
 from agoractl.data.sources import (SourceFile, common_schema, describe_error, inspect_all, list_files, read_groups,
@@ -115,7 +116,7 @@ def fingerprint(run: Run, files: list[SourceFile], tokenizer: dict[str, Any]) ->
 def default_work_dir(output: str) -> str:
     """Spill files must be local (memory-mapped): beside local shards, else in the user's cache."""
     if not storage.is_remote(output):
-        return os.path.join(storage.filesystem(output)[1], ".work")
+        return os.path.join(remote.filesystem(output)[1], ".work")
     cache = os.environ.get("AGORA_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "agoractl")
     return os.path.join(cache, "shard-work", hashlib.sha256(output.encode()).hexdigest()[:16])
@@ -195,35 +196,41 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def verify_shard(output: str, entry: ShardEntry) -> bool:
-    """A shard on disk is the one `entry` describes: sha256 locally, size on an object store."""
+def verify_shard(output: str, entry: ShardEntry, sizes: Optional[dict[str, int]] = None) -> bool:
+    """A shard on storage is the one `entry` describes: sha256 locally, size on an object store
+    (objects are uploaded whole, so a complete upload of the right size is the shard). `sizes` is
+    a listing of the output, to spare one request per shard."""
     url = storage.join(output, entry.name)
-    fs, path = storage.filesystem(url)
+    if storage.is_remote(url):
+        sizes = sizes if sizes is not None else remote.listing(output)
+        return sizes.get(entry.name) == entry.bytes
+    path = remote.filesystem(url)[1]
     try:
-        if storage.is_remote(url):
-            return fs.size(path) == entry.bytes
         return os.path.getsize(path) == entry.bytes and _sha256_file(path) == entry.sha256
-    except (FileNotFoundError, OSError):
+    except OSError:
         return False
 
 
-def read_done(output: str, k: int, fp: str) -> Optional[ShardEntry]:
-    """Shard k's marker, if it belongs to this fingerprint and the shard verifies."""
-    url = done_url(output, k)
-    fs, path = storage.filesystem(url)
-    try:
-        with fs.open(path, "rb") as f:
-            body = json.loads(f.read())
-    except (FileNotFoundError, OSError, ValueError):
-        return None
-    if body.get("fingerprint") != fp:
-        return None
-    entry = ShardEntry(**body["entry"])
-    return entry if verify_shard(output, entry) else None
+def read_done(output: str, fp: str, num_shards: int) -> dict[int, ShardEntry]:
+    """The shards whose marker belongs to this fingerprint and whose file verifies."""
+    sizes = remote.listing(output)
+    out = {}
+    for name in remote.listing(storage.join(output, DONE_DIR)):
+        if not (name.startswith("shard-") and name[6:11].isdigit()) or int(name[6:11]) >= num_shards:
+            continue
+        try:
+            body = json.loads(remote.read_bytes(storage.join(output, DONE_DIR, name)))
+        except (OSError, ValueError):
+            continue
+        if body.get("fingerprint") == fp:
+            entry = ShardEntry(**body["entry"])
+            if verify_shard(output, entry, sizes):
+                out[int(name[6:11])] = entry
+    return out
 
 
 def write_done(output: str, k: int, fp: str, entry: ShardEntry) -> None:
-    storage.write_bytes_atomic(done_url(output, k), json.dumps({"fingerprint": fp, "entry": asdict(entry)}).encode())
+    remote.write_bytes(done_url(output, k), json.dumps({"fingerprint": fp, "entry": asdict(entry)}).encode())
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -258,10 +265,10 @@ def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntr
         r.close()
     lengths = _tokenizer(cfg.run).lengths_arrow(table.column(cfg.text_column))
     tokens = int(lengths.sum()) + table.num_rows
-    remote = storage.is_remote(cfg.output)
+    is_remote = storage.is_remote(cfg.output)
     url = storage.join(cfg.output, name)
-    fs, path = storage.filesystem(url)
-    tmp_dir = os.path.join(cfg.work, "tmp") if remote else os.path.dirname(path)
+    fs, path = remote.filesystem(url)
+    tmp_dir = os.path.join(cfg.work, "tmp") if is_remote else os.path.dirname(path)
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -270,7 +277,7 @@ def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntr
             raise RuntimeFailure(f"{tmp}: wrote {table.num_rows} rows but reads back fewer",
                                  hint="check the disk (full?) and rerun")
         entry = ShardEntry(name, table.num_rows, tokens, os.path.getsize(tmp), _sha256_file(tmp))
-        if remote:
+        if is_remote:
             fs.put_file(tmp, path)  # an object appears whole or not at all
             os.remove(tmp)
         else:
@@ -306,6 +313,8 @@ def _pool(jobs: int) -> Optional[ProcessPoolExecutor]:
     if jobs <= 1:
         return None
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    # pyarrow.compute imports pandas on first use (~0.6 s); pay it once here, before the workers fork.
+    pc.utf8_length(pa.chunked_array([[""]]))
     return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context(method))
 
 
@@ -345,7 +354,7 @@ def _run_tasks(pool: Optional[ProcessPoolExecutor], tasks: list[tuple], phase: s
 
 
 def _check_output(output: str) -> None:
-    fs, path = storage.filesystem(output)
+    fs, path = remote.filesystem(output)
     try:
         if storage.is_remote(output):
             bucket = path.split("/", 1)[0]
@@ -360,29 +369,11 @@ def _check_output(output: str) -> None:
         raise RuntimeFailure(f"data.output: {describe_error(output, e)}", hint=store_hint(output))
 
 
-def _remove(output: str, names: list[str]) -> None:
-    for name in names:
-        url = storage.join(output, name)
-        fs, path = storage.filesystem(url)
-        try:
-            fs.rm(path)
-        except FileNotFoundError:
-            pass
-
-
-def _stale(output: str, num_shards: int) -> list[str]:
+def _stale(names: list[str], done: list[str], num_shards: int) -> list[str]:
     """Shard files and markers beyond num_shards, and temporaries left by a killed run."""
-    fs, path = storage.filesystem(output)
-    try:
-        names = [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
-        done = [os.path.basename(p) for p in fs.ls(storage.filesystem(storage.join(output, DONE_DIR))[1],
-                                                     detail=False)] if DONE_DIR in names else []
-    except FileNotFoundError:
-        return []
     out = [n for n in names if n.startswith(".shard-") and n.endswith(".tmp")]
-    for n in names:
-        if n.startswith("shard-") and n.endswith(".parquet") and n[6:11].isdigit() and int(n[6:11]) >= num_shards:
-            out.append(n)
+    out += [n for n in names if n.startswith("shard-") and n.endswith(".parquet") and n[6:11].isdigit()
+            and int(n[6:11]) >= num_shards]
     out += [f"{DONE_DIR}/{n}" for n in done if n[6:11].isdigit() and int(n[6:11]) >= num_shards]
     return out
 
@@ -397,21 +388,23 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
     fp = fingerprint(run, files, tokenizer)
     output = d.output
     _check_output(output)
-    existing = None
-    try:
-        existing = read_index(output)
-    except RuntimeFailure:
-        pass
     num = d.num_shards
-    if existing and existing.fingerprint == fp and all(verify_shard(output, e) for e in existing.shards):
+    try:
+        existing: Optional[ShardIndex] = read_index(output)
+    except RuntimeFailure:  # none, or unreadable: either way it is replaced below
+        existing = None
+    listed = remote.listing(output)
+    if existing and existing.fingerprint == fp and all(verify_shard(output, e, listed) for e in existing.shards):
         return Result(existing, index_url(output), 0)
     if existing and existing.fingerprint == fp:
         for k, e in enumerate(existing.shards):  # keep the good shards of a damaged corpus
-            if verify_shard(output, e):
+            if verify_shard(output, e, listed):
                 write_done(output, k, fp, e)
     # Anything that will change must first stop being claimed by an index.
-    _remove(output, ["index.json"] if existing is not None or _exists(index_url(output)) else [])
-    _remove(output, _stale(output, num))
+    if "index.json" in listed:
+        remote.remove(index_url(output))
+    for name in _stale(list(listed), list(remote.listing(storage.join(output, DONE_DIR))), num):
+        remote.remove(storage.join(output, name))
 
     work = work_dir or default_work_dir(output)
     plan_file = os.path.join(work, "plan.json")
@@ -424,7 +417,8 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
     cfg = Config(run, fp, output, work, schema, sum(f.rows for f in files), num, d.seed, d.text_column,
                  d.min_int_score)
     units = plan_units(files, unit_bytes)
-    entries: list[Optional[ShardEntry]] = [read_done(output, k, fp) for k in range(num)]
+    done = read_done(output, fp, num)
+    entries: list[Optional[ShardEntry]] = [done.get(k) for k in range(num)]
     todo = [k for k in range(num) if entries[k] is None]
     pool = _pool(min(jobs, max(len(units), len(todo))))
     try:
@@ -447,18 +441,6 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
                        shards=shards)
     url = write_index(output, index)
     # The index now vouches for the shards: markers and spills are no longer needed.
-    fs, path = storage.filesystem(storage.join(output, DONE_DIR))
-    try:
-        fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        pass
+    remote.remove(storage.join(output, DONE_DIR), recursive=True)
     shutil.rmtree(work, ignore_errors=True)
     return Result(index, url, len(todo))
-
-
-def _exists(url: str) -> bool:
-    fs, path = storage.filesystem(url)
-    try:
-        return fs.exists(path)
-    except Exception:
-        return False

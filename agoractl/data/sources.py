@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from agoractl import storage
+from agoractl.data import remote
 from agoractl.errors import RuntimeFailure
 
 GLOB_CHARS = "*?["
@@ -59,7 +60,7 @@ def _url(fs, source: str, path: str) -> str:
 
 def list_files(source: str) -> list[str]:
     """The parquet files `source` names, sorted (the order fixes every document's global position)."""
-    fs, path = storage.filesystem(source)
+    fs, path = remote.filesystem(source)
     try:
         if any(c in path for c in GLOB_CHARS):
             paths = fs.glob(path)
@@ -83,7 +84,7 @@ def list_files(source: str) -> list[str]:
 
 def inspect(url: str, text_column: str, id_column: str, need_int_score: bool = False) -> SourceFile:
     """Read one file's footer and check its columns."""
-    fs, path = storage.filesystem(url)
+    fs, path = remote.filesystem(url)
     try:
         size = fs.size(path)
         with fs.open(path, "rb") as f:
@@ -130,7 +131,7 @@ def common_schema(files: list[SourceFile], text_column: str, id_column: str) -> 
 
 def read_groups(url: str, groups: range, columns: list[str]) -> pa.Table:
     """Row groups `groups` of one file (one bounded unit of work)."""
-    fs, path = storage.filesystem(url)
+    fs, path = remote.filesystem(url)
     try:
         with fs.open(path, "rb") as f:
             return pq.ParquetFile(f).read_row_groups(list(groups), columns=columns)

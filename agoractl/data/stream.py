@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from agoractl import storage
+from agoractl.data import remote
 from agoractl.data.index import ShardIndex, read_index
 from agoractl.data.ledger import (Holding, Ledger, ensure_ledger, fold_reports, initial_ledger, read_ledger,
                                   rotate, write_progress)
@@ -208,7 +209,7 @@ class TrainerStream:
 
     def _documents(self, url: str, start_row: int) -> Iterator[tuple[int, str]]:
         """(row, text) from `start_row` on, one row group in memory at a time."""
-        fs, path = storage.filesystem(url)
+        fs, path = remote.filesystem(url)
         try:
             f = fs.open(path, "rb")
             pf = pq.ParquetFile(f)
@@ -230,7 +231,7 @@ class TrainerStream:
         """The (row, token) where the `consumed`-th token of a shard lies."""
         if consumed == 0:
             return 0, 0
-        fs, path = storage.filesystem(url)
+        fs, path = remote.filesystem(url)
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
             base_row, base_tok = 0, 0
