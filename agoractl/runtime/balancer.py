@@ -1,0 +1,158 @@
+"""The trainer's per-stage load balancer (report §3.3.2.3): a min-heap of virtual runtime.
+
+Each forward goes to the worker at the top of the heap (the least virtual runtime). Choosing a
+worker charges it up front with the task's estimated cost, ``task size / measured throughput``, so
+the key is a cumulative, speed-weighted account of the work each replica was given and faster
+replicas draw more tasks. Every completed call updates the worker's throughput estimate (an
+exponential moving average of samples per second). A worker that enters — newly discovered, or
+back from a ban — is placed level with the most-loaded replica present, never at zero, so it is
+not flooded. Failed workers are banned for ``trainers.ban_s`` seconds; workers that discovery no
+longer lists are dropped.
+
+Pure: no networking and no clock of its own (every call takes ``now``), so the in-process
+simulator reuses it as is. The backward pass does not come here: it is pinned to the worker that
+ran the forward (report §4.2.1); the trainer asks :meth:`choose` only for a fallback.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+DEFAULT_THROUGHPUT = 1.0
+"""Samples per second assumed for a worker that advertises none and has not been measured yet."""
+
+
+@dataclass
+class WorkerLoad:
+    """What the balancer knows about one worker of the stage."""
+
+    peer: str
+    vruntime: float
+    throughput: float
+    measured: bool = False
+    banned_until: float = float("-inf")
+    chosen: int = 0
+    failures: int = 0
+
+
+class Balancer:
+    """Virtual-runtime balancer of one stage's workers.
+
+    :param ban_s: seconds a failed worker is skipped
+    :param ema_alpha: weight of the newest throughput measurement in the moving average
+    """
+
+    def __init__(self, ban_s: float, ema_alpha: float = 0.2):
+        self.ban_s, self.ema_alpha = float(ban_s), float(ema_alpha)
+        self.workers: dict[str, WorkerLoad] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._order = itertools.count()
+        self.bans = 0
+        """Ban events so far (a report counter)."""
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def update(self, advertised: Mapping[str, Optional[float]], now: float) -> tuple[list[str], list[str]]:
+        """Replace the membership with discovery's view: peer → advertised throughput (or None).
+
+        Newcomers enter level with the most-loaded worker; workers no longer listed are dropped
+        (their ban is forgotten with them). Returns (added, removed) peer lists.
+        """
+        removed = [p for p in self.workers if p not in advertised]
+        for p in removed:
+            del self.workers[p]
+        added = []
+        for peer, throughput in advertised.items():
+            if peer in self.workers:
+                w = self.workers[peer]
+                if not w.measured and throughput:
+                    w.throughput = float(throughput)
+                continue
+            self._enter(peer, float(throughput) if throughput else DEFAULT_THROUGHPUT, now)
+            added.append(peer)
+        return added, removed
+
+    def _enter(self, peer: str, throughput: float, now: float) -> None:
+        level = self._max_load(now)
+        self.workers[peer] = WorkerLoad(peer, level, throughput)
+        self._push(peer, level)
+
+    def _max_load(self, now: float) -> float:
+        loads = [w.vruntime for w in self.workers.values() if not self.is_banned(w.peer, now)]
+        return max(loads, default=0.0)
+
+    def _push(self, peer: str, vruntime: float) -> None:
+        heapq.heappush(self._heap, (vruntime, next(self._order), peer))
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    def choose(self, now: float, task_size: float = 1.0, exclude: Iterable[str] = ()) -> Optional[str]:
+        """The least-loaded available worker, charged `task_size / throughput` up front; None if none.
+
+        Banned workers and those in `exclude` (e.g. the ones a retry already failed on) are skipped.
+        A worker whose ban has expired re-enters level with the most-loaded one.
+        """
+        excluded = set(exclude)
+        for w in self.workers.values():
+            if w.banned_until != float("-inf") and now >= w.banned_until:
+                w.banned_until = float("-inf")
+                w.vruntime = max(w.vruntime, self._max_load(now))
+                self._push(w.peer, w.vruntime)
+        skipped: list[tuple[float, int, str]] = []
+        chosen: Optional[WorkerLoad] = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            vruntime, _, peer = entry
+            w = self.workers.get(peer)
+            if w is None or vruntime != w.vruntime:
+                continue  # stale entry: the worker left, or was charged since this entry was pushed
+            if peer in excluded or self.is_banned(peer, now):
+                skipped.append(entry)
+                continue
+            chosen = w
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if chosen is None:
+            return None
+        chosen.vruntime += task_size / max(chosen.throughput, 1e-9)
+        chosen.chosen += 1
+        self._push(chosen.peer, chosen.vruntime)
+        return chosen.peer
+
+    # -- outcomes -----------------------------------------------------------------------------
+
+    def record_success(self, peer: str, task_size: float, elapsed_s: float) -> None:
+        """A call to `peer` of `task_size` samples took `elapsed_s` seconds: update its throughput."""
+        w = self.workers.get(peer)
+        if w is None or elapsed_s <= 0:
+            return
+        sample = task_size / elapsed_s
+        if w.measured:
+            w.throughput = self.ema_alpha * sample + (1 - self.ema_alpha) * w.throughput
+        else:
+            w.throughput, w.measured = sample, True
+
+    def ban(self, peer: str, now: float) -> None:
+        """Skip `peer` for ban_s seconds (counted in :attr:`bans`). Unknown peers are remembered too,
+        so that a failed worker discovery still lists is not chosen again."""
+        w = self.workers.get(peer)
+        if w is None:
+            w = self.workers[peer] = WorkerLoad(peer, self._max_load(now), DEFAULT_THROUGHPUT)
+        w.banned_until = now + self.ban_s
+        w.failures += 1
+        self.bans += 1
+
+    def is_banned(self, peer: str, now: float) -> bool:
+        w = self.workers.get(peer)
+        return w is not None and now < w.banned_until
+
+    def available(self, now: float) -> list[str]:
+        """Peers that may be chosen now (present and not banned)."""
+        return [p for p in self.workers if not self.is_banned(p, now)]
+
+    def __len__(self) -> int:
+        return len(self.workers)
