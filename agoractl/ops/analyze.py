@@ -97,6 +97,9 @@ def step_statistics(store: CheckpointStore, stage: str, step: int, shapes: dict[
             _check_layout(files[-1], shapes, store.snapshot_url(stage, step, r), stage)
         stats = StepStatistics(len(files), tiling.segments)
         mean: dict[str, torch.Tensor] = {}
+        largest = max(e.numel for e in files[0].entries.values())
+        # One reusable float64 read buffer: fresh R x n allocations cost more than the maths.
+        buffer = torch.empty(len(files), min(chunk_elements, largest), dtype=torch.float64)
         # File order (sorted by offset) makes every replica's reads sequential.
         for name in files[0].entries:
             numel = files[0].entries[name].numel
@@ -104,9 +107,11 @@ def step_statistics(store: CheckpointStore, stage: str, step: int, shapes: dict[
             ids = tiling.ids[name]
             for lo in range(0, numel, chunk_elements):
                 hi = min(numel, lo + chunk_elements)
-                block = torch.stack([f.read(name, lo, hi).double() for f in files])
+                block = buffer[:, : hi - lo]
+                for row, f in zip(block, files):
+                    row.copy_(f.read(name, lo, hi))
                 prev = previous_mean[name][lo:hi] if previous_mean is not None else None
-                out[lo:hi] = stats.add(block, ids[lo:hi], prev)
+                out[lo:hi] = stats.add(block, ids[lo:hi], prev, scratch=True)
             mean[name] = out
         last = Counter(f.metadata[LAST_SEGMENT_KEY] for f in files if LAST_SEGMENT_KEY in f.metadata)
         facts = {"replicas": replicas, "bytes": sum(f.size for f in files),

@@ -23,20 +23,6 @@ from typing import Optional
 import torch
 
 
-def population_variance(x: torch.Tensor) -> torch.Tensor:
-    """Element-wise variance across replicas (dim 0), dividing by R; float64."""
-    x = x.double()
-    d = x - x.mean(0)
-    return (d * d).mean(0)
-
-
-def segment_sums(values: torch.Tensor, segment_ids: torch.Tensor, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-segment (sum of `values`, element count) for flat `values` labelled by `segment_ids`."""
-    ids = segment_ids.long()
-    return (torch.bincount(ids, weights=values.double(), minlength=segments),
-            torch.bincount(ids, minlength=segments))
-
-
 def distances_from_gram(gram: torch.Tensor) -> torch.Tensor:
     """Pairwise Euclidean distances from a Gram matrix G (||a_i - a_j||^2 = G_ii + G_jj - 2 G_ij)."""
     diag = torch.diagonal(gram)
@@ -68,22 +54,32 @@ class StepStatistics:
         self.move_count = 0
 
     def add(self, block: torch.Tensor, segment_ids: torch.Tensor,
-            previous_mean: Optional[torch.Tensor] = None) -> torch.Tensor:
+            previous_mean: Optional[torch.Tensor] = None, scratch: bool = False) -> torch.Tensor:
+        """Fold in an ``[R, n]`` block; returns its consensus mean. With `scratch`, a float64 block
+        is centred in place instead of copied (the analysis passes its reusable read buffer)."""
         if block.dim() != 2 or block.shape[0] != self.replicas:
             raise ValueError(f"expected a [{self.replicas}, n] block; got {tuple(block.shape)}")
         if segment_ids.numel() != block.shape[1]:
             raise ValueError("one segment id per element")
-        x = block.double()
-        mean = x.mean(0)
-        d = x - mean
-        var = (d * d).mean(0)
-        s, c = segment_sums(var, segment_ids, self.segments)
-        self.var_sum += s
-        self.count += c
+        d = block if scratch and block.dtype == torch.float64 else block.to(torch.float64, copy=True)
+        # Row by row, in place: broadcasting over [R, n] allocates R x n temporaries, several times slower.
+        mean = d[0].clone()
+        for row in d[1:]:
+            mean.add_(row)
+        mean.div_(self.replicas)
+        for row in d:
+            row.sub_(mean)
+        var = d[0] * d[0]
+        for row in d[1:]:
+            var.addcmul_(row, row)
+        var.div_(self.replicas)
+        ids = segment_ids.long()
+        self.var_sum.scatter_add_(0, ids, var)
+        self.count += torch.bincount(ids, minlength=self.segments)
         self.gram += d @ d.T
         if previous_mean is not None:
-            change = mean - previous_mean.double()
-            self.move_sq += float((change * change).sum())
+            change = mean - previous_mean
+            self.move_sq += float(change.dot(change))
             self.move_count += change.numel()
         return mean
 
