@@ -67,6 +67,19 @@ class Checkpoint:
     optimizer_state: Optional[dict]
     meta: dict
 
+    def apply_to(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+        """Load into a stage module (strict: same parameter names) and, when both exist, its
+        optimizer; returns the checkpoint's step (a joining worker's starting point)."""
+        try:
+            module.load_state_dict(self.model_state, strict=True)
+        except RuntimeError as e:
+            raise RuntimeFailure(f"checkpoint of stage {self.meta.get('stage')} at step {self.meta.get('step')} "
+                                 f"does not fit this stage ({str(e).splitlines()[0][:160]})",
+                                 hint="check the manifest: the checkpoint was written by another model") from None
+        if optimizer is not None and self.optimizer_state is not None:
+            optimizer.load_state_dict(self.optimizer_state)
+        return int(self.meta["step"])
+
 
 class CheckpointStore:
     """Stage checkpoints and replica snapshots in one fsspec location.
@@ -128,10 +141,12 @@ class CheckpointStore:
         self._checked = True
 
     def _write(self, url: str, data: bytes) -> None:
+        self._check()
         with self._errors(url):
             storage.write_bytes_atomic(url, data, fs=self.fs)
 
     def _read(self, url: str) -> bytes:
+        self._check()
         with self._errors(url):
             return self.fs.cat_file(self.fs._strip_protocol(url))
 
@@ -148,8 +163,12 @@ class CheckpointStore:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def _exists(self, *parts: str) -> bool:
+        self._check()
+        path = self._path(*parts)
         with self._errors(self._url(*parts)):
-            return self.fs.exists(self._path(*parts))
+            # Other processes publish too: never answer from a directory listing cached earlier.
+            self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+            return self.fs.exists(path)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

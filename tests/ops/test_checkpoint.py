@@ -84,8 +84,12 @@ def test_publish_load_list_and_retention(store_url):
     assert set(ck.meta["files"]) == {"model.safetensors", "optimizer.safetensors", "optimizer.json"}
     _assert_same_state(ck.model_state, stage.state_dict())
     loaded = build_stage(run, 0)
-    loaded.load_state_dict(ck.model_state, strict=True)
-    torch.optim.AdamW(loaded.parameters()).load_state_dict(ck.optimizer_state)
+    joined_opt = torch.optim.AdamW(loaded.parameters())
+    assert ck.apply_to(loaded, joined_opt) == 30  # a joining worker starting from the store
+    _assert_same_state(loaded.state_dict(), stage.state_dict())
+    assert torch.equal(joined_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(RuntimeFailure, match="does not fit this stage"):
+        ck.apply_to(build_stage(run, 2))
     assert store.load("head", 20).meta["step"] == 20
     rows = store.list()
     assert [(r["stage"], r["step"], r["latest"]) for r in rows] == [("head", 20, False), ("head", 30, True)]
