@@ -10,6 +10,7 @@ object, never through a cached listing, so a reader always sees the latest compl
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from agoractl import storage
@@ -54,13 +55,24 @@ def listing(url: str) -> dict[str, int]:
             if e.get("type") != "directory"}
 
 
-def write_bytes(url: str, data: bytes) -> None:
-    """Atomic write (temporary name and rename locally; one whole PUT on a store)."""
+def write_bytes(url: str, data: bytes, durable: bool = True) -> None:
+    """Atomic write (temporary name and rename locally; one whole PUT on a store).
+
+    `durable=False` skips the fsync for markers that are checked against what they describe
+    before they are trusted (a marker torn by a power cut is ignored, not believed).
+    """
     if storage.is_remote(url):
         fs, path = filesystem(url)
         fs.pipe_file(path, data)
-    else:
+    elif durable:
         storage.write_bytes_atomic(url, data)
+    else:
+        path = filesystem(url)[1]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
 
 
 def remove(url: str, recursive: bool = False) -> None:

@@ -11,8 +11,8 @@ Two passes with bounded memory:
    counts tokens under the manifest's tokenizer (one EOS per document), writes parquet to a temporary
    name, checks it, renames it (or uploads it whole), and writes a ``.done/`` marker with its sha256.
 
-Then ``index.json`` is written, last. Both passes run over ``--jobs`` processes; a process holds one
-unit or one shard at a time. A rerun keeps finished units and every shard whose marker matches this
+Then ``index.json`` is written, last. Both passes run over ``--jobs`` worker threads (the work is in
+native code that releases the GIL); a worker holds one unit or one shard at a time. A rerun keeps finished units and every shard whose marker matches this
 configuration's fingerprint and whose file verifies (sha256 locally, size on object stores), so a
 crash at any point costs only the work in flight. The same seed gives byte-identical shards.
 """
@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import uuid
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
@@ -66,7 +65,7 @@ class Unit:
 
 @dataclass
 class Config:
-    """What worker processes need (picklable)."""
+    """What workers need."""
 
     run: Run
     fingerprint: str
@@ -136,6 +135,21 @@ def _read_json(path: str) -> Optional[dict[str, Any]]:
         return None
 
 
+def _has_text(text: pa.ChunkedArray) -> np.ndarray:
+    """Rows whose text is not null, empty or only whitespace.
+
+    Only short texts can be whitespace-only in practice, so only those are trimmed (trimming every
+    document would copy the whole column).
+    """
+    lengths = pc.fill_null(pc.binary_length(text), 0).to_numpy(zero_copy_only=False)
+    out = lengths > 0
+    short = np.flatnonzero(out & (lengths <= 256))
+    if len(short):
+        some = pc.utf8_length(pc.utf8_trim_whitespace(text.take(pa.array(short)))).to_numpy(zero_copy_only=False)
+        out[short] = some > 0
+    return out
+
+
 def deal_unit(cfg: Config, unit: Unit) -> dict[str, Any]:
     """Pass 1 for one unit; returns its marker (already on disk when this returns)."""
     spill, marker = _unit_paths(cfg.work, unit.number)
@@ -144,21 +158,21 @@ def deal_unit(cfg: Config, unit: Unit) -> dict[str, Any]:
         return done
     table = read_groups(unit.url, range(unit.first_group, unit.stop_group), cfg.schema.names).cast(cfg.schema)
     n = table.num_rows
-    text = table.column(cfg.text_column)
-    nonempty = pc.fill_null(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(text)), 0), False)
-    keep = nonempty.to_numpy(zero_copy_only=False)
+    nonempty = _has_text(table.column(cfg.text_column))
+    keep = nonempty
     dropped_score = 0
     if cfg.min_int_score is not None:
         scored = pc.fill_null(pc.greater_equal(table.column("int_score"), cfg.min_int_score), False)
         scored = scored.to_numpy(zero_copy_only=False)
         dropped_score = int((keep & ~scored).sum())
         keep = keep & scored
-    dropped_empty = int(n - nonempty.to_numpy(zero_copy_only=False).sum())
-    g = np.arange(unit.row_offset, unit.row_offset + n, dtype=np.int64)[keep]
-    p = Permutation(cfg.total_rows, cfg.seed)(g)
+    dropped_empty = int(n - nonempty.sum())
+    rows = np.flatnonzero(keep)
+    p = Permutation(cfg.total_rows, cfg.seed)(rows + unit.row_offset)
     shard, key = p % cfg.num_shards, p // cfg.num_shards
     order = np.argsort(shard, kind="stable")
-    table = table.filter(pa.array(keep)).append_column(KEY, pa.array(key)).take(pa.array(order)).combine_chunks()
+    # One gather does the filtering and the grouping by shard: the unit's text is copied once.
+    table = table.take(pa.array(rows[order])).append_column(KEY, pa.array(key[order])).combine_chunks()
     shard = shard[order]
     present, starts, counts = np.unique(shard, return_index=True, return_counts=True)
     batches: dict[str, list[int]] = {}
@@ -230,18 +244,34 @@ def read_done(output: str, fp: str, num_shards: int) -> dict[int, ShardEntry]:
 
 
 def write_done(output: str, k: int, fp: str, entry: ShardEntry) -> None:
-    remote.write_bytes(done_url(output, k), json.dumps({"fingerprint": fp, "entry": asdict(entry)}).encode())
+    body = json.dumps({"fingerprint": fp, "entry": asdict(entry)}).encode()
+    remote.write_bytes(done_url(output, k), body, durable=False)  # trusted only once the shard verifies
 
 
 _TOKENIZERS: dict[str, Any] = {}
 
 
 def _tokenizer(run: Run):
-    """Loaded once per process and tokenizer configuration."""
+    """Loaded once per tokenizer configuration (shared by the worker threads)."""
     key = run.tokenizer.model_dump_json()
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = load_tokenizer(run)
     return _TOKENIZERS[key]
+
+
+def _low_cardinality(table: pa.Table, cfg: Config) -> list[str]:
+    """Columns worth dictionary-encoding: not the document text, not per-document identifiers
+    (a dictionary of unique values only costs time before the writer falls back)."""
+    if table.num_rows == 0:
+        return []
+    sample = table.slice(0, 1000)
+    return [c for c in table.column_names if c not in (cfg.text_column, cfg.run.data.id_column)
+            and pc.count_distinct(sample.column(c)).as_py() <= sample.num_rows // 4]
+
+
+def _with_statistics(table: pa.Table, cfg: Config) -> list[str]:
+    """Min/max statistics for every column but the text (long strings, never filtered on)."""
+    return [c for c in table.column_names if c != cfg.text_column]
 
 
 def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntry:
@@ -272,7 +302,8 @@ def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntr
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        pq.write_table(table, tmp, row_group_size=SHARD_ROW_GROUP, compression="snappy")
+        pq.write_table(table, tmp, row_group_size=SHARD_ROW_GROUP, compression="snappy",
+                       use_dictionary=_low_cardinality(table, cfg), write_statistics=_with_statistics(table, cfg))
         if pq.ParquetFile(tmp).metadata.num_rows != table.num_rows:
             raise RuntimeFailure(f"{tmp}: wrote {table.num_rows} rows but reads back fewer",
                                  hint="check the disk (full?) and rerun")
@@ -293,7 +324,7 @@ def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntr
 # -- driver ----------------------------------------------------------------------------------------
 
 def _task(fn: Callable, *args: Any) -> tuple:
-    """Run one task in a worker; known errors travel back as plain tuples (they keep their hint)."""
+    """Run one task; an unexpected error becomes one line naming it (AGORA_DEBUG=1 shows the traceback)."""
     try:
         return ("ok", fn(*args))
     except AgoraError as e:
@@ -303,22 +334,21 @@ def _task(fn: Callable, *args: Any) -> tuple:
         return ("error", f"{type(e).__name__}: {text}", "rerun with AGORA_DEBUG=1 and --jobs 1 for the traceback")
 
 
-def _pool(jobs: int) -> Optional[ProcessPoolExecutor]:
-    """Worker processes for both passes; None runs tasks in this process.
+def _traced(fn: Callable, *args: Any) -> tuple:
+    return ("ok", fn(*args))
 
-    fork where the platform has it: workers start in milliseconds and need no importable __main__
-    (fsspec resets its event loop in a forked child, and filesystems are made afresh per task);
-    spawn elsewhere.
+
+def _pool(jobs: int) -> Optional[ThreadPoolExecutor]:
+    """Workers for both passes; None runs tasks inline.
+
+    Threads, not processes: the heavy work (parquet decoding and encoding, gathers, IPC, hashing,
+    batch tokenization) runs in Arrow's and the tokenizers' native code with the GIL released, so
+    threads use every core without forking, pickling, or warming a fresh allocator per process.
     """
-    if jobs <= 1:
-        return None
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    # pyarrow.compute imports pandas on first use (~0.6 s); pay it once here, before the workers fork.
-    pc.utf8_length(pa.chunked_array([[""]]))
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context(method))
+    return ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="agora-shard") if jobs > 1 else None
 
 
-def _run_tasks(pool: Optional[ProcessPoolExecutor], tasks: list[tuple], phase: str,
+def _run_tasks(pool: Optional[ThreadPoolExecutor], tasks: list[tuple], phase: str,
                progress: Optional[Progress]) -> list[Any]:
     results: list[Any] = [None] * len(tasks)
     done = 0
@@ -334,12 +364,12 @@ def _run_tasks(pool: Optional[ProcessPoolExecutor], tasks: list[tuple], phase: s
         if progress:
             progress(phase, done, len(tasks))
 
+    run = _traced if os.environ.get("AGORA_DEBUG") == "1" else _task  # debug: let the traceback through
     if pool is None or len(tasks) <= 1:
-        debug = os.environ.get("AGORA_DEBUG") == "1"  # let the traceback through
         for i, t in enumerate(tasks):
-            take(i, ("ok", t[0](*t[1:])) if debug else _task(*t))
+            take(i, run(*t))
         return results
-    futures = {pool.submit(_task, *t): i for i, t in enumerate(tasks)}
+    futures = {pool.submit(run, *t): i for i, t in enumerate(tasks)}
     pending = set(futures)
     while pending:
         finished, pending = wait(pending, return_when=FIRST_COMPLETED)
