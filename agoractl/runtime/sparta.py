@@ -126,9 +126,17 @@ def sparta_update(current: torch.Tensor, snapshot: torch.Tensor, average: torch.
 
 
 def apply_round(params: Mapping[str, torch.Tensor], tiling: SegmentTiling, segment: int,
-                snapshot: torch.Tensor, average: Optional[torch.Tensor], delta_rule: bool = True) -> None:
-    """Apply a finished averaging round in place; a missing average (round failed) changes nothing."""
+                snapshot: torch.Tensor, average: Optional[torch.Tensor], delta_rule: bool = True,
+                averaged: Optional[torch.Tensor] = None) -> None:
+    """Apply a finished averaging round in place; a missing average (round failed) changes nothing.
+
+    `averaged` (bool, one per segment value) marks the values whose average came back; the others
+    keep their local values (report §3.3.1.8: a slice that does not return is not applied).
+    """
     if average is None:
         return
     current = tiling.gather(params, segment) if not delta_rule else snapshot
-    tiling.add_(params, segment, sparta_update(current, snapshot, average, delta_rule))
+    update = sparta_update(current, snapshot, average, delta_rule)
+    if averaged is not None:
+        update = torch.where(averaged, update, torch.zeros_like(update))
+    tiling.add_(params, segment, update)

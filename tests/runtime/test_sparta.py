@@ -86,3 +86,14 @@ def test_weights_by_samples_and_weight_zero_peers_absorb():
     # c is syncing (weight 0): the others' average does not move, and c receives it.
     assert torch.allclose(weighted_average([a, b, c], [2, 1, 0]), torch.tensor([1.0, 2.0]))
     assert weighted_average([a, b], [0, 0]) is None
+
+
+def test_values_whose_average_did_not_return_keep_local_values():
+    t = SegmentTiling(SHAPES, 2, 0)
+    p = params(0)
+    snap = t.gather(p, 1)
+    avg = snap + 1.0
+    mask = torch.arange(snap.numel()) % 2 == 0
+    apply_round(p, t, 1, snap, avg, delta_rule=False, averaged=mask)
+    got = t.gather(p, 1)
+    assert torch.allclose(got[mask], avg[mask]) and torch.equal(got[~mask], snap[~mask])

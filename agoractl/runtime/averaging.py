@@ -1,0 +1,444 @@
+"""AsyncSPARTA transport over hivemind (report §3.3.1.7-8, §4.2): one segment per round, in the background.
+
+This module only moves tensors; which values form a segment and how a round's result is applied
+(the delta rule) live in :mod:`agoractl.runtime.sparta`. :class:`SpartaAverager` is hivemind's
+``DecentralizedAverager`` (a background process sharing the worker's DHT) over one shared buffer
+sized for the largest segment: a round copies the segment's snapshot in (zero padding), runs
+matchmaking and the butterfly all-reduce in the background, weighted by the samples the worker
+processed since its last round, and hands back the average and which of its values came back.
+
+- Roles (report §3.3.1.8): operators (``client_mode=False``) reduce a slice each and send;
+  contributors (``client_mode=True``) only send and receive.
+- Matchmaking: the round index is the group key (``<prefix>.0b<round mod 256>``), so replicas
+  average the same segment; the group forms as soon as every expected peer of the stage joined, or
+  at the end of the matchmaking window with whoever came (at least two).
+- Fault tolerance is hivemind's: a sender silent past ``chunk_timeout_s`` is banned and the rest
+  is averaged without it; a slice whose reducer fails keeps its local values. Such values, and
+  values no sender with a positive weight contributed to (a group of weight-0 peers averages to
+  0/0), are marked not averaged instead of being applied.
+- Per round, a :class:`RoundRecord`: segment, group size, reduce success (reducers: the fraction
+  of the values due from senders that arrived), averaging success (the fraction of this peer's
+  values that came back averaged; report §5.7.1), duration and bytes on the wire.
+- Fault injection (report §3.5.3.1): a round can be armed to preempt this worker during ``send``
+  (after its first chunk went out) or ``reduce`` (a reducer, once it reduced its first chunk and
+  before returning it): the worker's processes are killed abruptly and it exits with
+  :data:`agoractl.runtime.termination.EXIT_PREEMPTED`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from types import MethodType
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+import numpy as np
+import psutil
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from agoractl import logs
+from agoractl.runtime.termination import EXIT_PREEMPTED
+
+FAULT_POINTS = ("send", "reduce")
+"""Where a preemption can strike (report §3.5.3.1): while sending chunks, or while reducing."""
+
+_STATS = ("round", "finished", "group_size", "reducers", "senders", "weight", "group_weight",
+          "reduce_expected", "reduce_received", "size", "averaged", "bytes_sent", "bytes_received",
+          "matchmaking_s", "duration_s")
+_S = {name: i for i, name in enumerate(_STATS)}
+
+
+class BFloat16Wire(CompressionBase):
+    """Values travel as bfloat16 (2 bytes); read back by hivemind's plain deserializer as bf16."""
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        half = tensor.detach().to(torch.bfloat16).contiguous()
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=half.view(torch.int16).numpy().tobytes(),
+                                  size=half.shape, dtype="bfloat16", requires_grad=False)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return NoCompression().extract(serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 2.0 / torch.empty(0, dtype=info.descriptor.dtype).element_size()
+
+
+def wire_compression(wire_dtype: str) -> CompressionBase:
+    """The hivemind compression for ``data_parallel.sparta.wire_dtype``."""
+    return BFloat16Wire() if wire_dtype == "bf16" else NoCompression()
+
+
+def expected_round_bytes(payload_bytes: float, senders: int, reducers: int, is_reducer: bool) -> float:
+    """Bytes a peer sends plus receives in one complete round of the butterfly all-reduce.
+
+    Every sender streams each reducer its 1/reducers share of the payload and gets the same amount
+    back; a reducer also takes the share of every other sender and returns it. A contributor
+    (never a reducer) thus moves 2 x payload; an operator 2 x payload x ((R-1)/R + (S-1)/R).
+    """
+    share = payload_bytes / reducers
+    own = payload_bytes - (share if is_reducer else 0.0)
+    served = share * (senders - 1) if is_reducer else 0.0
+    return 2.0 * (own + served)
+
+
+@dataclass
+class RoundRecord:
+    """One SPARTA round as this peer saw it (report §5.7.1). Fractions in [0, 1]; None = not measured.
+
+    status: ``complete`` (every value came back averaged), ``partial``, ``failed`` (no group, a
+    timeout, an error, or nothing came back), ``empty`` (every peer of the group had weight 0:
+    nothing to average, everyone keeps its values). reduce_success is measured by reducers only.
+    """
+
+    round: int
+    segment: int
+    status: str
+    group_size: int = 0
+    reducers: int = 0
+    weight: float = 0.0
+    group_weight: float = 0.0
+    reduce_success: Optional[float] = None
+    averaging_success: float = 0.0
+    matchmaking_s: Optional[float] = None
+    duration_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    error: Optional[str] = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mark_failed_reducer(container, peer_index: int) -> None:
+    """Replacement of TensorPartContainer.register_failed_reducer: the parts a failed reducer did not
+    return come back as NaN (not averaged) instead of a zero delta, so the worker can tell them apart
+    from values that averaged to exactly their local value."""
+    start, stop = container._outputs_registered_by_peer[peer_index], container.num_parts_by_peer[peer_index]
+    for part_index in range(start, stop):
+        part = container._input_parts_by_peer[peer_index][part_index][0]
+        container.register_processed_part(peer_index, part_index, torch.full_like(part, float("nan")))
+        container.failed_size += part.numel()
+
+
+class _CountingStub:
+    """A stub for rpc_aggregate_part whose reply stream counts the bytes it brings in."""
+
+    def __init__(self, stub, runner: "SpartaAllReduce"):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, requests, timeout: Optional[float] = None):
+        stream = await self._stub.rpc_aggregate_part(requests)
+        return self._runner.count_in(stream)
+
+
+class SpartaAllReduce(AllReduceRunner):
+    """hivemind's butterfly all-reduce, instrumented: bytes in and out, reduce success, fault injection."""
+
+    def __init__(self, *, wire: CompressionBase, fault: Optional[str], on_fault: Callable[[str], None], **kwargs):
+        super().__init__(**kwargs)
+        self.wire, self.fault, self.on_fault = wire, fault, on_fault
+        self.bytes_sent = self.bytes_received = 0
+        self._serving = 0
+        self._served = asyncio.Event()
+        self._served.set()
+        self.tensor_part_container.register_failed_reducer = MethodType(_mark_failed_reducer,
+                                                                        self.tensor_part_container)
+
+    def _maybe_fault(self, point: str) -> None:
+        if self.fault == point:
+            self.on_fault(point)
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def count_in(self, stream: AsyncIterator[averaging_pb2.AveragingData]):
+        async for msg in stream:
+            self.bytes_received += msg.ByteSize()
+            yield msg
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for msg in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += msg.ByteSize()
+            yield msg
+            # Resumed: the chunk went out and the transport asks for the next one.
+            self._maybe_fault("send")
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        self._serving += 1
+        self._served.clear()
+        try:
+            async for msg in super()._accumulate_parts_streaming(self.count_in(stream), sender_index):
+                if isinstance(self.wire, BFloat16Wire) and msg.code == averaging_pb2.AVERAGED_PART:
+                    # hivemind answers in the sender's format (fp32 after bf16 decoding): re-encode.
+                    delta = deserialize_torch_tensor(msg.tensor_part)
+                    msg = averaging_pb2.AveragingData(code=msg.code, tensor_part=self.wire.compress(
+                        delta, CompressionInfo.from_tensor(delta)))
+                # A preempted reducer dies with its first averaged chunk reduced but not returned.
+                self._maybe_fault("reduce")
+                self.bytes_sent += msg.ByteSize()
+                yield msg
+        finally:
+            self._serving -= 1
+            if self._serving == 0:
+                self._served.set()
+
+    async def wait_served(self, timeout: Optional[float]) -> None:
+        """Wait until every sender that streamed to this reducer got its results (bounded)."""
+        try:
+            await asyncio.wait_for(self._served.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def reduce_counts(self) -> tuple[int, int]:
+        """(values due from senders, values that arrived) for the slice this peer reduces."""
+        reducer = self.tensor_part_reducer
+        sizes = [int(np.prod(s)) for s in reducer.part_shapes]
+        if not sizes or reducer.num_senders == 0:
+            return 0, 0
+        prefix = np.concatenate([[0], np.cumsum(sizes)])
+        received = 0
+        for got, failed_after in zip(reducer.num_parts_received, reducer.sender_failed_after):
+            received += int(prefix[int(min(got, failed_after, len(sizes)))])
+        return int(prefix[-1]) * reducer.num_senders, received
+
+
+class SpartaAverager(DecentralizedAverager):
+    """Background SPARTA averaging of one stage's segments with the other replicas of that stage.
+
+    `prefix` names the stage's averaging group in the DHT (run- and stage-specific, no dots);
+    `capacity` is the largest segment size (values). Host-side API: :meth:`begin_round`, then poll
+    the returned :class:`PendingRound`. Operators also serve their stage state to joining workers
+    through hivemind's ``load_state_from_peers`` once :attr:`state_provider` is set.
+    """
+
+    def __init__(self, dht, *, prefix: str, capacity: int, client_mode: bool, matchmaking_timeout_s: float,
+                 allreduce_timeout_s: float, chunk_timeout_s: float, chunk_bytes: int = 2**19,
+                 wire_dtype: str = "fp32", start: bool = True, startup_timeout_s: float = 120.0):
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive; got {capacity}")
+        self.capacity = capacity
+        self.window_s = float(matchmaking_timeout_s)
+        self.wire = wire_compression(wire_dtype)
+        self.chunk_timeout_s = float(chunk_timeout_s)
+        self._averaged = torch.zeros(capacity, dtype=torch.bool).share_memory_()
+        self._stats = torch.zeros(len(_STATS), dtype=torch.float64).share_memory_()
+        self._stats[_S["round"]] = -1
+        self._plan: dict[str, Any] = {}
+        self.state_provider: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None
+        min_time = min(5.0, self.window_s)
+        super().__init__(
+            [torch.zeros(capacity)], dht, start=False, prefix=prefix, target_group_size=None, min_group_size=2,
+            min_matchmaking_time=min_time, request_timeout=min(3.0, min_time / 2),
+            part_size_bytes=chunk_bytes, allreduce_timeout=allreduce_timeout_s,
+            sender_timeout=self.chunk_timeout_s, reducer_timeout=2 * self.chunk_timeout_s,
+            compression=self.wire, client_mode=client_mode, allow_state_sharing=not client_mode,
+            declare_state_period=10.0, shutdown_timeout=5.0)
+        _install_preemption_exit()
+        if start:
+            self.run_in_background(await_ready=True, timeout=startup_timeout_s)
+
+    # ---- host side -------------------------------------------------------------------------------
+
+    def begin_round(self, round_index: int, segment: int, values: torch.Tensor, weight: float,
+                    expected_peers: int, fault: Optional[str] = None) -> "PendingRound":
+        """Start averaging `values` (this replica's snapshot of `segment`) in the background.
+
+        `weight`: samples processed since the last round (0 in the sync phases: absorb only);
+        `expected_peers`: replicas of the stage believed alive, including this one (the group
+        forms as soon as that many joined); `fault`: ``send`` / ``reduce`` to preempt this worker
+        at that point of the round.
+        """
+        if fault is not None and fault not in FAULT_POINTS:
+            raise ValueError(f"fault must be one of {FAULT_POINTS}; got {fault!r}")
+        if weight < 0:
+            raise ValueError(f"weight must be non-negative; got {weight}")
+        n = int(values.numel())
+        if n > self.capacity:
+            raise ValueError(f"segment has {n} values; the averager holds {self.capacity}")
+        with self.get_tensors() as (buf,):
+            buf.zero_()
+            buf[:n].copy_(values.reshape(-1).float())
+        future = MPFuture()
+        self._outer_pipe.send(("_prepare_round", [], dict(round_index=round_index, size=n, fault=fault,
+                                                            group_size=max(2, int(expected_peers)), future=future)))
+        future.result(timeout=60)
+        started = time.monotonic()
+        # A contributor never leads a group, and a leader turns down followers whose request expires
+        # before its own window ends; replicas start a round at slightly different moments, so a
+        # contributor's request stays open for two windows.
+        window = self.window_s * (2 if self.client_mode else 1)
+        control = self.step(gather=dict(round=round_index, weight=float(weight)), weight=float(weight),
+                            scheduled_time=get_dht_time() + window,
+                            timeout=window + 2 * self.request_timeout_s + 5.0, wait=False)
+        return PendingRound(self, round_index, segment, n, float(weight), control, started)
+
+    @property
+    def request_timeout_s(self) -> float:
+        return float(self.matchmaking_kwargs["request_timeout"])
+
+    def read_result(self, round_index: int, size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """The buffer after a round: (values, which came back averaged, stats of that round)."""
+        with self.get_tensors() as (buf,):
+            values = buf[:size].clone()
+        stats = {name: float(self._stats[i]) for i, name in enumerate(_STATS)}
+        averaged = self._averaged[:size].clone()
+        if int(stats["round"]) != round_index:
+            stats = {}
+        return values, averaged, stats
+
+    def get_current_state(self):
+        """Served to joining workers (hivemind's rpc_download_state), in the host process."""
+        if self.state_provider is None:
+            return dict(ready=False), [], None
+        metadata, tensors = self.state_provider()
+        return dict(metadata, ready=True), list(tensors), None
+
+    def load_stage_state(self, timeout: float = 60.0) -> Optional[tuple[dict, list[torch.Tensor]]]:
+        """Download the stage state from a live operator of the stage; None when none answered."""
+        result = self.load_state_from_peers(wait=True, timeout=timeout)
+        if result is None or not result[0] or not result[0].get("ready"):
+            return None
+        return result
+
+    # ---- averager process ------------------------------------------------------------------------
+
+    async def _prepare_round(self, round_index: int, size: int, group_size: int, fault: Optional[str],
+                             future: MPFuture) -> None:
+        # The group key carries the round, so only replicas averaging the same segment meet.
+        mm = self._matchmaking
+        mm.group_key_manager.group_bits = format(round_index % 256, "08b")
+        mm.target_group_size = mm.group_key_manager.target_group_size = group_size
+        mm.potential_leaders.target_group_size = group_size
+        self._plan = dict(round=round_index, size=size, fault=fault, t0=time.monotonic())
+        future.set_result(None)
+
+    def _fault(self, point: str) -> None:
+        """Preemption (report §3.5.3.1): the worker vanishes abruptly, its p2p daemon and DHT with it."""
+        logs.get("agoractl.faults").warning("preempted", during=point, round=self._plan.get("round"))
+        host, me = self._parent_pid, os.getpid()
+        try:
+            for proc in psutil.Process(host).children(recursive=True):
+                if proc.pid != me:
+                    proc.kill()
+            os.kill(host, _PREEMPT_SIGNAL)
+            psutil.Process(host).wait(timeout=5)
+        except psutil.TimeoutExpired:
+            os.kill(host, signal.SIGKILL)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+        os._exit(EXIT_PREEMPTED)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: Optional[bytes] = None, **kwargs) -> None:
+        plan = self._plan
+        t_group = time.monotonic()
+        group_id = group_info.group_id if group_id is None else group_id
+        stats = self._stats
+        stats.zero_()
+        stats[_S["round"]] = -1
+        runner = None
+        try:
+            runner = SpartaAllReduce(
+                p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+                ordered_peer_ids=group_info.peer_ids, wire=self.wire, fault=plan.get("fault"),
+                on_fault=self._fault, **kwargs)
+            assert group_id in self._running_groups, f"group {group_id} was not registered"
+            self._running_groups[group_id].set_result(runner)
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                came_back = torch.isfinite(update)
+                tensor.add_(torch.where(came_back, update, torch.zeros_like(update)).to(tensor.dtype))
+                self._averaged.copy_(came_back.reshape(-1))
+            await runner.wait_served(2 * self.chunk_timeout_s)
+            stats[_S["finished"]] = 1
+        finally:
+            size = int(plan.get("size", self.capacity))
+            gathered = [self.serializer.loads(self.serializer.loads(g)[2]) or {} for g in group_info.gathered]
+            modes = [AveragingMode(self.serializer.loads(g)[1]) for g in group_info.gathered]
+            stats[_S["group_size"]] = len(group_info.peer_ids)
+            stats[_S["reducers"]] = sum(m == AveragingMode.NODE for m in modes)
+            stats[_S["senders"]] = sum(m != AveragingMode.AUX for m in modes)
+            stats[_S["weight"]] = float(kwargs.get("weight") or 0.0)
+            stats[_S["group_weight"]] = sum(float(g.get("weight", 0.0)) for g in gathered)
+            stats[_S["size"]] = size
+            stats[_S["averaged"]] = int(self._averaged[:size].sum()) if stats[_S["finished"]] else 0
+            if runner is not None:
+                stats[_S["reduce_expected"]], stats[_S["reduce_received"]] = runner.reduce_counts()
+                stats[_S["bytes_sent"]], stats[_S["bytes_received"]] = runner.bytes_sent, runner.bytes_received
+            t0 = plan.get("t0", t_group)
+            stats[_S["matchmaking_s"]] = t_group - t0
+            stats[_S["duration_s"]] = time.monotonic() - t0
+            stats[_S["round"]] = plan.get("round", -1)
+
+
+class PendingRound:
+    """A SPARTA round running in the background; poll :meth:`done`, then take :meth:`result` once."""
+
+    def __init__(self, averager: SpartaAverager, round_index: int, segment: int, size: int, weight: float,
+                 control: StepControl, started: float):
+        self.averager, self.round, self.segment, self.size = averager, round_index, segment, size
+        self.weight, self.control, self.started = weight, control, started
+
+    def done(self) -> bool:
+        return self.control.done()
+
+    def result(self, timeout: Optional[float] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], RoundRecord]:
+        """(average, averaged mask, record). The average is None when nothing came back; values
+        whose mask is False did not come back and must keep their local values."""
+        error = None
+        try:
+            self.control.result(timeout=timeout)
+        except Exception as e:  # no group in the window, all-reduce timeout, a broken stream
+            error = f"{type(e).__name__}: {e}".strip().rstrip(":")[:300]
+        values, averaged, stats = self.averager.read_result(self.round, self.size)
+        rec = RoundRecord(round=self.round, segment=self.segment, status="failed", weight=self.weight,
+                          duration_s=round(time.monotonic() - self.started, 3), error=error)
+        if stats:
+            rec.group_size, rec.reducers = int(stats["group_size"]), int(stats["reducers"])
+            rec.group_weight = stats["group_weight"]
+            rec.bytes_sent, rec.bytes_received = int(stats["bytes_sent"]), int(stats["bytes_received"])
+            rec.matchmaking_s = round(stats["matchmaking_s"], 3)
+            rec.duration_s = round(stats["duration_s"], 3)
+            if stats["reduce_expected"] > 0:
+                rec.reduce_success = stats["reduce_received"] / stats["reduce_expected"]
+        if error is not None or not stats or not stats["finished"]:
+            rec.error = rec.error or "all-reduce did not finish"
+            return None, None, rec
+        if rec.group_weight <= 0:
+            rec.status = "empty"
+            return None, None, rec
+        rec.averaging_success = stats["averaged"] / max(1.0, stats["size"])
+        rec.status = "complete" if rec.averaging_success >= 1.0 else ("partial" if rec.averaging_success > 0 else "failed")
+        if rec.status == "failed":
+            rec.error = "no averaged slice came back"
+            return None, None, rec
+        return values, averaged, rec
+
+
+# ---- preemption exit in the worker (host) process ---------------------------------------------------
+
+_PREEMPT_SIGNAL = signal.SIGUSR1
+
+
+def _install_preemption_exit() -> None:
+    """The averager process signals the worker process to exit at once when a preemption strikes."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may install handlers; the averager then falls back to SIGKILL
+    signal.signal(_PREEMPT_SIGNAL, lambda *_: os._exit(EXIT_PREEMPTED))

@@ -1,0 +1,64 @@
+"""A SPARTA averaging peer for the averaging tests: one process, its own DHT node, one SpartaAverager.
+
+Run as ``python -m tests.runtime.sparta_peer --initial-peer MADDR ...``. It prints ``ready`` once
+its averager runs and it sees ``--expected`` peers in the DHT, then reads one command per round
+on stdin, ``go WEIGHT VALUE EXPECTED [FAULT]``: it averages ``--size`` values all equal to VALUE
+with that weight, EXPECTED peers expected, FAULT (send/reduce) armed, and prints the round's
+result as one JSON line: the record, the first and last averaged values, how many did not return.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--initial-peer", action="append", default=[])
+    p.add_argument("--role", choices=["operator", "contributor"], default="operator")
+    p.add_argument("--size", type=int, default=1000)
+    p.add_argument("--expected", type=int, default=3)
+    p.add_argument("--window", type=float, default=8.0)
+    p.add_argument("--chunk-bytes", type=int, default=1024)
+    p.add_argument("--wire", default="fp32")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    import hivemind
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from agoractl.runtime.averaging import SpartaAverager
+
+    dht = hivemind.DHT(initial_peers=args.initial_peer, start=True, client_mode=args.role == "contributor",
+                       startup_timeout=120)
+    averager = SpartaAverager(dht, prefix="test_stage_sparta", capacity=args.size + 7,
+                              client_mode=args.role == "contributor", matchmaking_timeout_s=args.window,
+                              allreduce_timeout_s=60, chunk_timeout_s=5, chunk_bytes=args.chunk_bytes,
+                              wire_dtype=args.wire)
+    # Ready once every expected peer is visible in the DHT: the first round then finds its group.
+    dht.store("test_peers", subkey=str(dht.peer_id), value=True, expiration_time=get_dht_time() + 600)
+    while len((dht.get("test_peers", latest=True) or ValueWithExpiration({}, 0)).value) < args.expected:
+        time.sleep(0.2)
+    print("ready", flush=True)
+    for r, line in enumerate(sys.stdin):
+        cmd = line.split()
+        if not cmd or cmd[0] != "go":
+            break
+        weight, value, expected = float(cmd[1]), float(cmd[2]), int(cmd[3])
+        values = torch.full((args.size,), value)
+        pending = averager.begin_round(r, r % 4, values, weight, expected, fault=cmd[4] if len(cmd) > 4 else None)
+        average, averaged, rec = pending.result(timeout=120)
+        out = rec.as_dict()
+        if average is not None:
+            out["first"], out["last"] = float(average[0]), float(average[-1])
+            out["not_averaged"] = int((~averaged).sum())
+        print(json.dumps(out), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

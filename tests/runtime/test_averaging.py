@@ -1,0 +1,171 @@
+"""SPARTA transport (agoractl.runtime.averaging) between real processes over loopback libp2p.
+
+Each peer is a subprocess (tests/runtime/sparta_peer.py) with its own DHT node and SpartaAverager;
+the test process hosts the seed DHT. Covers: the weighted average, contributors (client mode, no
+reduction), weight-0 peers absorbing without moving the others, a group of weight-0 peers, a
+contributor preempted during send, a reducer preempted during reduce, bytes per round against
+the payload. Takes about a minute on a loaded 2-core machine.
+"""
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from agoractl.runtime.averaging import expected_round_bytes
+from agoractl.runtime.termination import EXIT_PREEMPTED
+from tests.conftest import ROOT
+
+SIZE = 1000
+PAYLOAD = (SIZE + 7) * 4  # the averaged buffer: capacity values in fp32
+
+
+def readline(proc, timeout):
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            raise TimeoutError(f"peer {proc.pid} said nothing for {timeout} s")
+        return proc.stdout.readline()
+    finally:
+        sel.close()
+
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Swarm:
+    def __init__(self, maddrs, roles):
+        self.procs = []
+        self.children = []  # per peer: the processes it started (DHT node, p2p daemon, averager)
+        for role in roles:
+            cmd = [sys.executable, "-m", "tests.runtime.sparta_peer", "--role", role, "--size", str(SIZE),
+                   "--expected", str(len(roles))]
+            for m in maddrs:
+                cmd += ["--initial-peer", m]
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               text=True))
+        for p in self.procs:
+            assert readline(p, 180).strip() == "ready"
+            self.children.append([c.pid for c in psutil.Process(p.pid).children(recursive=True)])
+
+    def round(self, commands):
+        """commands: one "WEIGHT VALUE EXPECTED [FAULT]" per peer (None = the peer is gone)."""
+        live = [(p, c) for p, c in zip(self.procs, commands) if c is not None]
+        for p, c in live:
+            p.stdin.write(f"go {c}\n")
+            p.stdin.flush()
+        out = []
+        for p, c in live:
+            line = readline(p, 120)
+            out.append(json.loads(line) if line else None)  # EOF: the peer exited
+        return out
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for pid in (pid for pids in self.children for pid in pids):  # left behind (there should be none)
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+@pytest.fixture(scope="module")
+def seed():
+    import hivemind
+
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(start=True, startup_timeout=120)
+    try:
+        yield [str(a) for a in dht.get_visible_maddrs()]
+    finally:
+        dht.shutdown()
+
+
+@pytest.fixture
+def swarm(seed, request):
+    s = Swarm(seed, request.param)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("swarm", [["operator", "operator", "contributor"]], indirect=True)
+def test_weighted_average_contributors_absorb_and_preempted_sender(swarm):
+    # Samples-weighted average over operators and a contributor.
+    recs = swarm.round(["1 0 3", "3 4 3", "2 10 3"])
+    for r in recs:
+        assert r["status"] == "complete" and r["group_size"] == 3 and r["reducers"] == 2
+        assert r["first"] == pytest.approx(32 / 6) and r["last"] == pytest.approx(32 / 6)
+        assert r["averaging_success"] == 1.0
+    assert recs[0]["reduce_success"] == recs[1]["reduce_success"] == 1.0
+    assert recs[2]["reduce_success"] is None  # a contributor reduces nothing
+    # Bytes on the wire: the payload x 2 for a contributor, the butterfly share for an operator (+ framing).
+    contributor = recs[2]["bytes_sent"] + recs[2]["bytes_received"]
+    assert contributor == pytest.approx(expected_round_bytes(PAYLOAD, 3, 2, False), rel=0.1)
+    operator = recs[0]["bytes_sent"] + recs[0]["bytes_received"]
+    assert operator == pytest.approx(expected_round_bytes(PAYLOAD, 3, 2, True), rel=0.1)
+
+    # A weight-0 peer (sync phase) absorbs the consensus without moving it.
+    recs = swarm.round(["1 0 3", "3 4 3", "0 100 3"])
+    assert [r["first"] for r in recs] == pytest.approx([3.0, 3.0, 3.0])
+    assert all(r["status"] == "complete" for r in recs)
+
+    # Nobody has samples: nothing to average, everyone keeps its values (no 0/0).
+    recs = swarm.round(["0 1 3", "0 2 3", "0 3 3"])
+    assert [r["status"] for r in recs] == ["empty"] * 3
+
+    # The contributor is preempted after its first chunk: the others' round completes, every value
+    # of theirs comes back averaged; the reducers saw part of the contributor's values only.
+    recs = swarm.round(["1 0 3", "3 4 3", "2 10 3 send"])
+    assert recs[2] is None
+    assert swarm.procs[2].wait(timeout=30) == EXIT_PREEMPTED
+    for r in recs[:2]:
+        assert r["status"] == "complete" and r["averaging_success"] == 1.0
+        assert r["first"] in (pytest.approx(3.0), pytest.approx(32 / 6))
+    assert min(r["reduce_success"] for r in recs[:2]) < 1.0
+    assert len(swarm.children[2]) >= 3 and not any(alive(pid) for pid in swarm.children[2])
+
+    # The next round is whole again between the two operators.
+    recs = swarm.round(["1 0 2", "1 4 2", None])
+    assert all(r["status"] == "complete" and r["first"] == pytest.approx(2.0) for r in recs)
+
+
+@pytest.mark.parametrize("swarm", [["operator", "operator", "operator", "contributor"]], indirect=True)
+def test_reducer_preempted_during_reduce_leaves_one_partial_round(swarm):
+    recs = swarm.round(["1 0 4", "1 1 4", "1 2 4", "1 3 4"])
+    assert all(r["status"] == "complete" and r["first"] == pytest.approx(1.5) for r in recs)
+
+    recs = swarm.round(["1 0 4", "1 1 4", "1 2 4 reduce", "1 3 4"])
+    assert recs[2] is None and swarm.procs[2].wait(timeout=30) == EXIT_PREEMPTED
+    assert not any(alive(pid) for pid in swarm.children[2])
+    # The reducer died holding its first reduced chunk: every other peer keeps its local values for
+    # the slice that reducer averages (its share of the chunks) and gets the rest averaged.
+    survivors = [recs[0], recs[1], recs[3]]
+    for r in survivors:
+        assert r["status"] == "partial" and 0.5 < r["averaging_success"] < 1 and r["not_averaged"] > 0
+    assert len({r["averaging_success"] for r in survivors}) == 1  # the same slice is missing everywhere
+
+    recs = swarm.round(["1 0 3", "1 1 3", None, "1 5 3"])
+    assert all(r["status"] == "complete" and r["averaging_success"] == 1.0 for r in recs)
+    assert all(r["first"] == pytest.approx(2.0) for r in recs)
