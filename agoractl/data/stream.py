@@ -27,8 +27,8 @@ import torch
 from agoractl import storage
 from agoractl.data import remote
 from agoractl.data.index import ShardIndex, read_index
-from agoractl.data.ledger import (Holding, Ledger, ensure_ledger, fold_reports, initial_ledger, read_ledger,
-                                  rotate, write_progress)
+from agoractl.data.ledger import (Holding, Ledger, ensure_ledger, fold_reports, initial_ledger, ledger_lock,
+                                  read_ledger, rotate, write_progress)
 from agoractl.data.tokenizers import Tokenizer, load_tokenizer
 from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
@@ -47,8 +47,9 @@ class LedgerFile:
 
     def __init__(self, run: Run, index: ShardIndex):
         self.output = run.data.output
-        ensure_ledger(self.output, index, run.trainers.count, run.trainers.shards_per_trainer,
-                      run.model.seq_len, run.data.seed)
+        with ledger_lock(self.output):  # never create it over a rotation that is being written
+            ensure_ledger(self.output, index, run.trainers.count, run.trainers.shards_per_trainer,
+                          run.model.seq_len, run.data.seed)
 
     def assignment(self, trainer: int) -> Optional[list[Holding]]:
         ledger = read_ledger(self.output)

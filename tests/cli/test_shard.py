@@ -97,6 +97,14 @@ def test_unreachable_store(cli, tmp_path):
     assert_one_line_error(proc, "s3://corpus/fineweb/*.parquet", "cannot reach the store")
 
 
+def test_unreachable_hub(cli, tmp_path):
+    """hf:// goes through the Hugging Face filesystem; offline, the URL is named in one line."""
+    source = "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"
+    proc = cli(*shard_args(source, "out"), env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(proc, source)
+    assert "huggingface.co" in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def big_corpus(tmp_path_factory):
     return bulk_corpus(tmp_path_factory.mktemp("big") / "src", rows=60000, files=6)
