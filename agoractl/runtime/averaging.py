@@ -49,10 +49,8 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from agoractl import logs
+from agoractl.runtime.faults import FAULT_POINTS
 from agoractl.runtime.termination import EXIT_PREEMPTED
-
-FAULT_POINTS = ("send", "reduce")
-"""Where a preemption can strike (report §3.5.3.1): while sending chunks, or while reducing."""
 
 _STATS = ("round", "finished", "group_size", "reducers", "senders", "weight", "group_weight",
           "reduce_expected", "reduce_received", "size", "averaged", "bytes_sent", "bytes_received",
