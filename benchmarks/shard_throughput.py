@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=4, help="Input files (default 4).")
     ap.add_argument("--shards", type=int, default=16, help="Output shards (default 16).")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="Shard worker processes (default: CPUs).")
-    ap.add_argument("--repeats", type=int, default=5, help="Runs of each side; the fastest counts (default 5).")
+    ap.add_argument("--repeats", type=int, default=7, help="Runs of each side; the fastest counts (default 7).")
     ap.add_argument("--json", action="store_true", help="Print one JSON object on stdout.")
     ap.add_argument("--output", type=Path, help="Also write the JSON to this file.")
     args = ap.parse_args()
