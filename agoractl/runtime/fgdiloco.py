@@ -106,6 +106,15 @@ class OuterSGD:
         self.buffer = state.get("buffer")
 
 
+def replica_outer_step(x: torch.Tensor, mixed_delta: torch.Tensor, opt: OuterSGD) -> torch.Tensor:
+    """One replica's outer step, z_{r+1} = OuterOpt(x, Δ̂): the outer gradient is −Δ̂.
+
+    The per-replica update shared by the simulator (through :func:`outer_round`) and the real worker,
+    which gets `x` from its background Mix1 and `mixed_delta` from its blocking Mix2.
+    """
+    return opt.step(x, -mixed_delta)
+
+
 def outer_round(z: Sequence[torch.Tensor], y_end: Sequence[torch.Tensor], variant: str,
                 optimizers: Sequence[OuterSGD], rng: random.Random,
                 mix1: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
@@ -120,4 +129,4 @@ def outer_round(z: Sequence[torch.Tensor], y_end: Sequence[torch.Tensor], varian
     x = list(mix1) if mix1 is not None else mix(kind1, z, random_matching(n, rng) if kind1 == "local" else None)
     deltas = [end - start for start, end in zip(z, y_end)]
     mixed = mix(kind2, deltas, random_matching(n, rng) if kind2 == "local" else None)
-    return [opt.step(x[m], -mixed[m]) for m, opt in enumerate(optimizers)]
+    return [replica_outer_step(x[m], mixed[m], opt) for m, opt in enumerate(optimizers)]

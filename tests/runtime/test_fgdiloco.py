@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agoractl.runtime.fgdiloco import (VARIANTS, OuterSGD, mix, outer_gradient, outer_round, partner_of,
-                                       random_matching)
+                                       random_matching, replica_outer_step)
 
 
 def test_outer_gradient_sign_descends():
@@ -75,3 +75,14 @@ def test_global_m1_keeps_local_outer_gradients():
 
 def test_all_variants_known():
     assert set(VARIANTS) == {"diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"}
+
+
+def test_replica_outer_step_is_what_outer_round_applies():
+    # The worker's per-replica form (x from its Mix1, Δ̂ from its Mix2) gives the simulator's numbers.
+    z = [torch.tensor([0.0, 1.0]), torch.tensor([2.0, -1.0])]
+    y = [torch.tensor([0.5, 0.5]), torch.tensor([2.5, 0.0])]
+    whole = outer_round(z, y, "global_m1_local_m2", [OuterSGD() for _ in z], random.Random(0))
+    x = mix("global", z)
+    deltas = mix("local", [end - start for start, end in zip(z, y)], [(0, 1)])
+    for m in range(2):
+        assert torch.equal(replica_outer_step(x[m], deltas[m], OuterSGD()), whole[m])
