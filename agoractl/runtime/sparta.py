@@ -63,6 +63,15 @@ class SegmentTiling:
     def size(self, segment: int) -> int:
         return sum(int(i.numel()) for i in self.indices(segment).values())
 
+    def max_size(self) -> int:
+        """The largest segment's size (segment 0 takes the remainder of every tensor), computed
+        without building any index."""
+        return sum(-(-k // self.segments) for k in self.numels.values())
+
+    def release(self, segment: int) -> None:
+        """Forget the cached indices of `segment` (8 bytes per value) until it is used again."""
+        self._cache.pop(segment, None)
+
     def gather(self, params: Mapping[str, torch.Tensor], segment: int) -> torch.Tensor:
         """The segment's values from `params`, as one flat fp32 CPU vector (a snapshot copy)."""
         idx = self.indices(segment)

@@ -30,10 +30,11 @@ Events (dicts with an ``event`` key):
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import psutil
 
@@ -134,3 +135,35 @@ class SelfTermination:
 
     def _on_device_error(self, e: Mapping[str, Any]) -> Optional[Termination]:
         return _fire("device_error", f"accelerator failure: {e.get('error', 'unknown')}")
+
+
+class Monitor:
+    """A worker's self-termination monitor: a listener of its structured events that also samples
+    host RAM every `ram_period_s`, and calls `on_fire` once, with the first rule that fires."""
+
+    def __init__(self, config: SelfTerminationConfig, on_fire: Callable[[Termination], None],
+                 ram_period_s: float = 5.0, ram_fraction: Callable[[], float] = host_ram_fraction):
+        self.rules = SelfTermination(config)
+        self.on_fire, self.ram_period_s, self.ram_fraction = on_fire, ram_period_s, ram_fraction
+        self.fired: Optional[Termination] = None
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        with self._lock:
+            if self.fired is not None:
+                return
+            self.fired = self.rules.observe(event)
+            fired = self.fired
+        if fired is not None:
+            self.on_fire(fired)
+
+    def start(self, stop: threading.Event) -> threading.Thread:
+        """Sample host RAM until `stop` is set (a daemon thread)."""
+
+        def loop():
+            while not stop.wait(self.ram_period_s):
+                self({"event": "ram", "fraction": self.ram_fraction()})
+
+        t = threading.Thread(target=loop, name="self-termination", daemon=True)
+        t.start()
+        return t

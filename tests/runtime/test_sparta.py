@@ -29,6 +29,7 @@ def test_segments_tile_every_parameter_exactly_once():
             seen[t.indices(s)[name]] += 1
         assert torch.equal(seen, torch.ones_like(seen)), name
     sizes = [t.size(s) for s in range(4)]
+    assert t.max_size() == max(sizes) == sizes[0]
     assert sum(sizes) == sum(t.numels.values())
     assert max(sizes) - min(sizes) <= len(SHAPES)
 

@@ -65,3 +65,20 @@ def test_device_errors_and_unknown_events():
     rules = SelfTermination(Config())
     assert rules.observe({"event": "something_else"}) is None
     assert rules.observe({"event": "device_error", "error": "CUDA error: an illegal memory access"}).rule == "device_error"
+
+
+def test_monitor_fires_once_and_samples_ram():
+    import threading
+
+    from agoractl.runtime.termination import Monitor
+
+    fired = []
+    got = threading.Event()
+    mon = Monitor(Config(max_ram_fraction=0.5), lambda t: (fired.append(t), got.set()), ram_period_s=0.01,
+                  ram_fraction=lambda: 0.9)
+    stop = threading.Event()
+    mon.start(stop)
+    assert got.wait(5)
+    mon({"event": "gradients", "finite": False, "step": 1})
+    stop.set()
+    assert [t.rule for t in fired] == ["ram"]

@@ -1,0 +1,278 @@
+"""AsyncSPARTA in a worker (report §3.3.1.7, §4.2): rounds on the stage's step cadence, sync phases,
+per-round records, replica snapshots and operator checkpoints.
+
+Attached to a :class:`~agoractl.runtime.worker.Worker` through its step callback (the compute
+thread, between optimizer steps, where the weights may change):
+
+- after the stage's step ``k * every_steps`` the worker snapshots segment ``round mod n_segments``
+  of its master weights (:class:`~agoractl.runtime.sparta.SegmentTiling` from the manifest's seed)
+  and starts averaging it in the background (:class:`~agoractl.runtime.averaging.SpartaAverager`),
+  weighted by the samples it contributed since its last round (0 in the sync phases);
+- at every later step callback it checks the round: once done, the result is applied with the
+  delta rule (``apply_round``; values that did not come back keep their local values), and the
+  round's record is kept and emitted as a ``round`` event (self-termination counts failures);
+- a round due while the previous one still runs, or with no other replica alive, is skipped;
+- a joining worker loads its stage's state (:mod:`agoractl.runtime.join`) and, if stale, runs the
+  sync phases (:mod:`agoractl.runtime.sync_phases`): its phase is announced in its DHT record;
+- replica snapshots every ``checkpoints.snapshots_every_steps`` (for ``analyze divergence``) and,
+  on operators, stage checkpoints every ``checkpoints.every_steps`` are written in the background.
+
+A watcher thread reads the DHT: the stage's live workers (the group size to wait for) and
+preemption signals (:mod:`agoractl.runtime.faults`), armed for the next round they target.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+
+from agoractl import logs
+from agoractl.manifest.schema import Run
+from agoractl.ops.checkpoint import CheckpointStore, due
+from agoractl.runtime import faults
+from agoractl.runtime.averaging import PendingRound, RoundRecord, SpartaAverager
+from agoractl.runtime.join import apply_state, load_stage_state, pack_state, unpack_state
+from agoractl.runtime.sparta import SegmentTiling, apply_round
+from agoractl.runtime.sync_phases import SyncPhases
+
+WATCH_PERIOD_S = 1.0
+"""Seconds between the watcher's DHT reads (live workers of the stage, preemption signals)."""
+
+
+def averager_prefix(run: str, stage: str) -> str:
+    """The stage's averaging group in the DHT (hivemind prefixes may not contain dots)."""
+    return f"{run}_{stage}_sparta".replace(".", "_")
+
+
+def round_summary(records: list[dict]) -> dict[str, Any]:
+    """Per-stage averaging health from the round records of its workers (report §5.7.1).
+
+    ``averaging_rounds``: distinct rounds some worker completed (whole or partial);
+    ``reduce_success_mean``: over reducers' records; ``averaging_success_mean``: over rounds that
+    ran (a failed round counts 0; skipped and empty rounds are left out); ``bytes_per_round``:
+    mean bytes sent + received by a worker in a completed round; ``rounds_failed``: failed records.
+    """
+    ran = [r for r in records if r.get("status") in ("complete", "partial", "failed")]
+    done = [r for r in ran if r["status"] != "failed"]
+    reduce = [r["reduce_success"] for r in done if r.get("reduce_success") is not None]
+    moved = [r["bytes_sent"] + r["bytes_received"] for r in done]
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+    return {
+        "averaging_rounds": len({r["round"] for r in done}),
+        "reduce_success_mean": mean(reduce),
+        "averaging_success_mean": mean([r["averaging_success"] for r in ran]),
+        "bytes_per_round": mean(moved),
+        "rounds_failed": len(ran) - len(done),
+    }
+
+
+class SpartaWorker:
+    """The SPARTA side of one worker. Create after the Worker, call :meth:`join`, then :meth:`start`."""
+
+    def __init__(self, run: Run, worker, dht, records, peer: str,
+                 on_phase: Optional[Callable[[str], None]] = None):
+        self.run, self.worker, self.dht, self.records, self.peer = run, worker, dht, records, peer
+        self.stage = worker.name
+        self.stop = threading.Event()
+        self.on_phase = on_phase
+        self.cfg = run.data_parallel.sparta
+        self.log = logs.get("sparta")
+        named = list(worker.module.named_parameters())
+        if any(not p.requires_grad for _, p in named):
+            raise ValueError("SPARTA tiles trainable parameters; this stage has frozen parameters")
+        self.names = [n for n, _ in named]
+        self.master = dict(zip(self.names, worker.master))
+        self.compute = dict(zip(self.names, worker.params))
+        self.tiling = SegmentTiling({n: tuple(p.shape) for n, p in named}, run.n_segments(), self.cfg.seed)
+        self.averager = SpartaAverager(
+            dht, prefix=averager_prefix(run.metadata.name, self.stage), capacity=self.tiling.max_size(),
+            client_mode=worker.role == "contributor", matchmaking_timeout_s=self.cfg.matchmaking_timeout_s,
+            allreduce_timeout_s=self.cfg.allreduce_timeout_s, chunk_timeout_s=self.cfg.chunk_timeout_s,
+            chunk_bytes=self.cfg.chunk_bytes, wire_dtype=self.cfg.wire_dtype,
+            startup_timeout_s=run.network.startup_timeout_s)
+        self.averager.state_provider = self._state
+        self.phases = SyncPhases(run.join, 0)
+        self.join_facts: dict[str, Any] = {"source": "init", "loaded_step": 0, "stale_steps": 0}
+        self.pending: Optional[tuple[PendingRound, torch.Tensor]] = None
+        self.rounds: list[dict] = []
+        self.samples_since_round = 0
+        self.last_segment: Optional[int] = None
+        self.live_peers = 1
+        self.signals: list[faults.PreemptSignal] = []
+        self.acted: set[str] = set()
+        self.store = CheckpointStore(run) if (run.checkpoints.snapshots_every_steps or run.checkpoints.every_steps) else None
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-io")
+        self._watcher: Optional[threading.Thread] = None
+        worker.step_callbacks.append(self.on_step)
+
+    # -- joining ------------------------------------------------------------------------------
+
+    def _state(self):
+        """The stage state served to joining peers (hivemind's background thread)."""
+        return pack_state(list(zip(self.names, self.worker.master)), self.worker.optimizer, self.stage,
+                          self.worker.progress.step)
+
+    def _from_peers(self):
+        found = self.averager.load_stage_state(timeout=self.run.network.startup_timeout_s)
+        return None if found is None else unpack_state(*found)
+
+    def _from_store(self):
+        store = CheckpointStore(self.run)
+        if store.latest_step(self.stage) is None:
+            return None
+        return store.load(self.stage)
+
+    def join(self, stage_step: int) -> dict[str, Any]:
+        """Load the stage's state if the stage already trained, and choose the starting phase."""
+        loaded, source = 0, "init"
+        if stage_step > 0:
+            state, source = load_stage_state(self.worker.role, self._from_peers, self._from_store)
+            if state is not None:
+                loaded = apply_state(state, self.worker.module, self.worker.optimizer, self.worker.master)
+        stale = max(0, stage_step - loaded)
+        self.phases = SyncPhases(self.run.join, stale, stage_step)
+        self._set_phase(self.phases.phase)
+        self.join_facts = {"source": source, "loaded_step": loaded, "stale_steps": stale, "stage_step": stage_step}
+        self.log.info("joined stage", stage=self.stage, source=source, loaded_step=loaded, stale_steps=stale,
+                      phase=self.phases.phase)
+        return self.join_facts
+
+    def _set_phase(self, phase: str) -> None:
+        self.worker.phase = phase
+        self.worker.emit("phase", phase=phase, step=self.worker.progress.step)
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
+    # -- the DHT watcher ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name="sparta-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            try:
+                workers = self.records.stage_workers(self.stage)
+                workers[self.peer] = None  # this worker counts even before its record propagates
+                self.live_peers = len(workers)
+                self.signals = faults.read_signals(self.dht, self.run.metadata.name, self.stage)
+            except Exception:  # a slow DHT: keep the last view (the dht rule watches connectivity)
+                pass
+            self.stop.wait(WATCH_PERIOD_S)
+
+    # -- the step callback (compute thread) ---------------------------------------------------
+
+    def on_step(self, step: int, worker) -> None:
+        done = step + 1  # steps the stage has completed
+        if worker.stats.steps:
+            self.samples_since_round += int(worker.stats.steps[-1][2])
+        changed = self.phases.on_step(done)
+        if changed is not None:
+            self._set_phase(changed)
+            self.log.info("sync phase", phase=changed, step=done)
+        self.collect()
+        self._periodic_writes(done)
+        if done % self.cfg.every_steps == 0:
+            self._begin(done // self.cfg.every_steps - 1, done)
+
+    def collect(self) -> Optional[dict]:
+        """Apply the running round if it finished; returns its record then."""
+        if self.pending is None or not self.pending[0].done():
+            return None
+        pending, snapshot = self.pending
+        self.pending = None
+        average, averaged, rec = pending.result(timeout=1.0)
+        if average is not None:
+            apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
+            if self.compute is not self.master:
+                for name in self.names:
+                    if self.compute[name] is not self.master[name]:
+                        self.compute[name].copy_(self.master[name], non_blocking=True)
+            self.last_segment = pending.segment
+        self.tiling.release(pending.segment)
+        return self._record(rec, applied_at=self.worker.progress.step)
+
+    def _record(self, rec: RoundRecord, **extra) -> dict:
+        d = {**rec.as_dict(), "phase": self.phases.phase, **extra}
+        self.rounds.append(d)
+        self.worker.emit("round", **{k: v for k, v in d.items() if k != "error"}, error=rec.error)
+        if rec.status in ("failed", "partial"):
+            self.log.warning("averaging round", round=rec.round, status=rec.status,
+                             averaging_success=rec.averaging_success, error=rec.error)
+        return d
+
+    def _begin(self, round_index: int, step: int) -> None:
+        segment = round_index % self.tiling.segments
+        if self.pending is not None:
+            self._record(RoundRecord(round_index, segment, "skipped", error="the previous round is still running"),
+                         step=step)
+            return
+        if self.live_peers < 2:
+            self._record(RoundRecord(round_index, segment, "skipped", error="no other replica of the stage"),
+                         step=step)
+            return
+        weight = self.phases.averaging_weight(self.samples_since_round)
+        self.samples_since_round = 0
+        fault = None
+        sig = faults.fault_for(self.signals, self.peer, self.acted)
+        if sig is not None:
+            self.acted.add(sig.id)
+            fault = sig.during
+            self.log.warning("preemption armed", signal=sig.id, during=fault, round=round_index)
+        snapshot = self.tiling.gather(self.master, segment)
+        try:
+            pending = self.averager.begin_round(round_index, segment, snapshot, weight, self.live_peers, fault)
+        except Exception as e:  # the averager process is gone or stuck: this round fails
+            self._record(RoundRecord(round_index, segment, "failed", weight=weight, error=f"{type(e).__name__}: {e}"),
+                         step=step)
+            return
+        self.pending = (pending, snapshot)
+
+    # -- snapshots and checkpoints ------------------------------------------------------------
+
+    def _periodic_writes(self, step: int) -> None:
+        c = self.run.checkpoints
+        if self.store is None:
+            return
+        if due(step, c.snapshots_every_steps):
+            state = {n: t.detach().clone() for n, t in self.master.items()}
+            meta = {"phase": self.phases.phase, "role": self.worker.role}
+            if self.last_segment is not None:
+                meta["last_averaged_segment"] = self.last_segment
+            self.io.submit(self._write, "snapshot", self.store.save_snapshot, self.stage, step, self.peer, state, meta)
+        if self.worker.role == "operator" and self.phases.phase == "active" and due(step, c.every_steps):
+            state = {n: t.detach().clone() for n, t in self.master.items()}
+            opt = copy.deepcopy(self.worker.optimizer.state_dict())
+            self.io.submit(self._write, "checkpoint", self.store.publish, self.stage, step, state, opt,
+                           {"peer": self.peer})
+
+    def _write(self, what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # storage trouble must not kill training; it is logged
+            self.log.warning(f"{what} not written", error=f"{type(e).__name__}: {e}")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """What goes into the worker's final stats."""
+        return {"rounds": self.rounds, "phases": [list(h) for h in self.phases.history], "join": self.join_facts,
+                "sparta": round_summary(self.rounds)}
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        if self.pending is not None:
+            try:
+                self.pending[0].control.cancel()
+            except Exception:
+                pass
+        self.io.shutdown(wait=True)
+        try:
+            self.averager.shutdown()
+        except Exception:
+            pass
