@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from agoractl.ops.checkpoint import CheckpointStore
 from tests.conftest import MANIFESTS
 
 FILE = MANIFESTS / "local-cpu.yaml"
@@ -38,12 +39,16 @@ def test_most_recently_averaged_segment_has_lowest_variance(cli, tmp_path):
               f"checkpoints.store={tmp_path}/store", f"local.run_dir={tmp_path}/run",
               "local.workers_per_stage=2", "data_parallel.method=sparta",
               f"data_parallel.sparta.fraction={1 / SEGMENTS}", "data_parallel.sparta.every_steps=2",
-              "checkpoints.snapshots_every_steps=8", "checkpoints.every_steps=0",
-              "training.max_steps=32", "training.global_batch_size=4", "training.schedule.warmup_steps=2"):
+              "checkpoints.snapshots_every_steps=6", "checkpoints.every_steps=0",
+              "training.max_steps=24", "training.global_batch_size=4", "training.schedule.warmup_steps=2"):
         sets += ["--set", s]
     cli("data", "sample", "--out", tmp_path / "sample", "--rows", 800, "--files", 2, check=0)
     cli("shard", FILE, *sets, check=0)
     cli("launch", "swarm", FILE, *sets, timeout=600, check=0)
+    written = CheckpointStore(str(tmp_path / "store")).snapshot_steps(STAGE)
+    assert written, ("the swarm wrote no replica snapshots: every worker must call CheckpointStore.save_snapshot("
+                     "stage, step, replica, state, meta={'last_averaged_segment': s}) every "
+                     "checkpoints.snapshots_every_steps steps")
     out = json.loads(cli("analyze", "divergence", FILE, "--stage", STAGE, *sets, "--json", check=0).stdout)
     assert out["segments"] == SEGMENTS
     assert out["steps"], "the swarm wrote no replica snapshots"
