@@ -16,9 +16,10 @@ schedule's horizon (``training.max_steps``) is set to the simulated steps.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -46,10 +47,27 @@ def _with_horizon(run: Run, steps: int, **updates) -> Run:
     return run.model_copy(update={"training": training, **updates})
 
 
-def _probe(run: Run, samples: int, seed: int) -> torch.Tensor:
-    """A fixed held-out probe batch: lesson text from another generator seed than the training stream."""
-    stream = lesson_sequences(run, seed=seed + 1_000_003)
-    return torch.stack([next(stream) for _ in range(samples)])
+class Data:
+    """The scenario's data: a fixed held-out probe batch and fresh training streams over the rest.
+
+    With shards, the probe is the run's first `probe_samples` sequences and every training stream
+    starts after them; with synthetic text, the probe comes from another generator seed.
+    """
+
+    def __init__(self, run: Run, data: str, seed: int, probe_samples: int):
+        self.run, self.data, self.seed, self.skip = run, data, seed, 0
+        stream, self.description = open_sequences(run, data, seed)
+        if self.description.startswith("shards:"):
+            self.skip = probe_samples
+            self.probe_source = f"the run's first {probe_samples} sequences, held out from training"
+        else:
+            stream = lesson_sequences(run, seed=seed + 1_000_003)
+            self.probe_source = f"{probe_samples} sequences of lesson text from another generator seed"
+        self.probe = torch.stack([next(stream) for _ in range(probe_samples)])
+
+    def stream(self) -> Iterator[torch.Tensor]:
+        stream, _ = open_sequences(self.run, self.data, self.seed)
+        return itertools.islice(stream, self.skip, None)
 
 
 def _mean(xs) -> float:
@@ -104,9 +122,10 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
     """The four FGDiLoCo variants (or `variants`) side by side; see the module docstring.
 
     DiLoCo runs first; every other variant then gets extra rounds, as many as fit in DiLoCo's wall time
-    at the most favourable bandwidth, until its eval loss reaches DiLoCo's final one (time-to-loss). ``step_time_s=None``
-    uses the step time measured here, with `inner_steps` per round and the simulated model's own
-    size as payload unless `payload_params` is given.
+    at the most favourable bandwidth (at most `rounds` more), until its round loss reaches DiLoCo's
+    final loss (time-to-loss); extra rounds run at the schedule's final learning rate.
+    ``step_time_s=None`` uses the step time measured here, with `inner_steps` per round and the
+    simulated model's own size as payload unless `payload_params` is given.
     """
     variants = list(variants or VARIANTS)
     for v in variants:
@@ -116,14 +135,13 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
     H = inner_steps or run.data_parallel.fgdiloco.inner_steps
     batch = batch or max(1, run.training.global_batch_size // replicas)
     sim_run = _with_horizon(run, rounds * H)
-    probe = _probe(run, probe_samples, seed)
+    data_ = Data(sim_run, data, seed, probe_samples)
+    n_params = sum(p.numel() for p in _model_params(sim_run))
     t_start = time.perf_counter()
     results: dict[str, dict] = {}
-    data_desc = ""
     target: Optional[float] = None
     tm: Optional[TimeModel] = None
     for v in variants:
-        stream, data_desc = open_sequences(sim_run, data, seed)
         extra, stop = 0, None
         if target is not None and tm is not None:
             # Rounds that fit in DiLoCo's wall time at some bandwidth (at most twice the rounds).
@@ -134,9 +152,8 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
         if progress:
             progress(f"simulate fgdiloco: {v} ({replicas} replicas x {rounds} rounds x H={H})")
         out = run_fgdiloco(sim_run, v, replicas=replicas, rounds=rounds, inner_steps=H, batch=batch,
-                           stream=stream, probe=probe, seed=seed, extra_rounds=extra, stop=stop)
-        if tm is None:
-            n_params = sum(p.numel() for p in _model_params(sim_run))
+                           stream=data_.stream(), probe=data_.probe, seed=seed, extra_rounds=extra, stop=stop)
+        if tm is None:      # built after the first variant, which measures the step time
             measured = step_time_s is None
             tm = TimeModel(bandwidths_mbps=list(bandwidths_mbps),
                            latency_ms=run.admission.max_latency_ms if latency_ms is None else latency_ms,
@@ -159,13 +176,14 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
             for bw in bandwidths_mbps}
     return {
         "scenario": "fgdiloco",
-        "data": data_desc,
+        "data": data_.description,
+        "probe": data_.probe_source,
         "settings": {"replicas": replicas, "rounds": rounds, "inner_steps": H, "batch_per_replica": batch,
                      "seq_len": run.model.seq_len, "outer_lr": run.data_parallel.fgdiloco.outer_lr,
                      "outer_momentum": run.data_parallel.fgdiloco.outer_momentum,
                      "nesterov": run.data_parallel.fgdiloco.nesterov, "inner_lr": run.training.optimizer.lr,
                      "probe_samples": probe_samples, "seed": seed,
-                     "model_params": sum(p.numel() for p in _model_params(sim_run))},
+                     "model_params": n_params},
         "assumptions": tm.describe() if tm else {},
         "metrics": {
             "final_loss": "mean training loss of the replicas over the last round's inner steps; every sample is "
@@ -237,22 +255,21 @@ def sparta_backward(run: Run, *, replicas: int = 4, steps: int = 150, microbatch
                     progress: Optional[Progress] = None) -> dict:
     """Pinned versus stochastic backward under AsyncSPARTA (report §6.2), same data and forward routes."""
     sim_run = _with_horizon(run, steps)
-    probe = _probe(run, probe_samples, seed)
+    data_ = Data(sim_run, data, seed, probe_samples)
     t_start = time.perf_counter()
-    variants, data_desc = {}, ""
+    variants = {}
     for rule in ("pinned", "stochastic"):
         if progress:
             progress(f"simulate sparta-backward: {rule} ({len(run.stages)} stages x {replicas} replicas, {steps} steps)")
-        stream, data_desc = open_sequences(sim_run, data, seed)
-        batcher = Batcher(stream)
+        batcher = Batcher(data_.stream())
         sim = PipelineSim(sim_run, replicas, backward=rule, seed=seed, lag_steps=lag_steps)
         losses, evals = [], []
         for step in range(steps):
             losses.append(sim.train_step(batcher.take(run.training.global_batch_size), microbatch))
             if (step + 1) % eval_every == 0 or step + 1 == steps:
-                evals.append([step + 1, round(sim.eval_loss(probe), 5)])
+                evals.append([step + 1, round(sim.eval_loss(data_.probe), 5)])
         variants[rule] = {"final_loss": evals[-1][1], "loss": [round(x, 5) for x in losses], "eval_loss": evals}
-    return {"scenario": "sparta-backward", "data": data_desc,
+    return {"scenario": "sparta-backward", "data": data_.description, "probe": data_.probe_source,
             "settings": {**_sparta_settings(run, replicas, microbatch, lag_steps), "steps": steps,
                          "probe_samples": probe_samples, "seed": seed},
             "variants": variants, "elapsed_s": round(time.perf_counter() - t_start, 2)}
@@ -270,13 +287,13 @@ def sparta_participation(run: Run, *, replicas: int = 4, levels=(1.0, 0.9, 0.75,
     """
     steps = warmup_steps + failure_steps + recovery_steps
     sim_run = _with_horizon(run, steps)
-    probe = _probe(run, probe_samples, seed)
+    data_ = Data(sim_run, data, seed, probe_samples)
+    probe = data_.probe
     t_start = time.perf_counter()
     gb = run.training.global_batch_size
     if progress:
         progress(f"simulate sparta-participation: warm-up ({warmup_steps} steps)")
-    stream, data_desc = open_sequences(sim_run, data, seed)
-    batcher = Batcher(stream)
+    batcher = Batcher(data_.stream())
     base = PipelineSim(sim_run, replicas, seed=seed, lag_steps=lag_steps)
     warm_losses = [base.train_step(batcher.take(gb), microbatch) for _ in range(warmup_steps)]
     fork_eval = base.eval_loss(probe)
@@ -310,7 +327,7 @@ def sparta_participation(run: Run, *, replicas: int = 4, levels=(1.0, 0.9, 0.75,
         for v in variants.values():
             v["gap_failure_end"] = round(v["loss_failure_end"] - ref["loss_failure_end"], 5)
             v["gap_end"] = round(v["final_loss"] - ref["final_loss"], 5)
-    return {"scenario": "sparta-participation", "data": data_desc,
+    return {"scenario": "sparta-participation", "data": data_.description, "probe": data_.probe_source,
             "settings": {**_sparta_settings(run, replicas, microbatch, lag_steps), "levels": list(levels),
                          "phases": {"warmup": [0, warmup_steps],
                                     "failure": [warmup_steps, warmup_steps + failure_steps],

@@ -249,7 +249,8 @@ class PipelineSim:
     ran a backward steps its own optimizer (the stage has collectively reached its batch). Every
     ``sparta.every_steps`` steps a round snapshots segment ``round mod n_segments`` of every replica,
     averages the participants' snapshots weighted by samples, and after `lag_steps` more steps applies
-    it with the delta rule to the participants; a failed replica neither contributes nor receives.
+    it with the delta rule to the participants; a failed replica (each fails on its own with
+    probability 1 − participation) neither contributes nor receives.
     """
 
     def __init__(self, run: Run, replicas: int, *, backward: str = "pinned", seed: int = 0, lag_steps: int = 1):
@@ -321,15 +322,18 @@ class PipelineSim:
 
     def _start_round(self, participation: float) -> None:
         segment = self.rounds % self.run.n_segments()
-        members = [j for j in range(self.replicas) if participation >= 1.0 or self.failure_rng.random() < participation]
-        self.participation.append((self.step, len(members) / self.replicas))
+        completed = 0
         for s, stage in enumerate(self.stages):
+            # Every worker fails on its own: each completes the round with probability `participation`.
+            members = [j for j in range(self.replicas) if participation >= 1.0 or self.failure_rng.random() < participation]
+            completed += len(members)
             snaps = [self.tilings[s].gather(rep.params, segment) for rep in stage]
             weights = [stage[j].samples if j in members else 0 for j in range(self.replicas)]
             average = weighted_average(snaps, weights) if members else None
             self.pending.append((self.step + self.lag, s, segment, snaps, average, members))
             for rep in stage:
                 rep.samples = 0
+        self.participation.append((self.step, completed / (self.replicas * len(self.stages))))
         self.rounds += 1
 
     def _apply_due(self) -> None:
@@ -342,8 +346,12 @@ class PipelineSim:
 
     def routes(self, limit: int = 16) -> list[tuple[int, ...]]:
         """Every route through the stages, or a fixed sample of `limit` of them."""
-        all_routes = list(product(range(self.replicas), repeat=len(self.stages)))
-        return all_routes if len(all_routes) <= limit else random.Random(0).sample(all_routes, limit)
+        if self.replicas ** len(self.stages) <= limit:
+            return list(product(range(self.replicas), repeat=len(self.stages)))
+        rng, routes = random.Random(0), set()
+        while len(routes) < limit:
+            routes.add(tuple(rng.randrange(self.replicas) for _ in self.stages))
+        return sorted(routes)
 
     @torch.no_grad()
     def eval_loss(self, probe: torch.Tensor, limit: int = 16) -> float:
