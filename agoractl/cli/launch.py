@@ -80,3 +80,6 @@ def _render_central(r: dict) -> None:
                  f"({r['tokens_per_s']:,.0f} tokens/s on {r['device']})")
     stdout.print(f"loss {first:.4f} -> {r['final_loss']:.4f} (mean of the last steps)")
     stdout.print(f"report: {r['report_path']}")
+
+
+from agoractl.cli import launch_nodes  # noqa: E402,F401  registers launch dht|worker|trainer|swarm

@@ -1,0 +1,191 @@
+"""``agoractl launch dht|worker|trainer|swarm``: the nodes of a decentralized run, one at a time or as
+a whole local swarm. Registered on the ``launch`` group (:mod:`agoractl.cli.launch`). Thin: parse,
+call the runtime, render."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Annotated, Optional
+
+import typer
+
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.launch import app
+from agoractl.cli.output import emit, note, stdout
+from agoractl.errors import UsageError
+
+PeersOpt = Annotated[Optional[list[str]], typer.Option(
+    "--initial-peers", help="Multiaddr of a DHT peer to join (repeatable); default network.initial_peers.",
+    show_default=False)]
+StatsOpt = Annotated[Optional[str], typer.Option(
+    "--stats", help="Write the node's final statistics here as JSON when it exits.", show_default=False)]
+
+
+def _threads(run) -> None:
+    import torch
+
+    torch.set_num_threads(run.local.threads_per_process)
+
+
+@app.command(epilog="Example:\n\n  agoractl launch dht manifests/local-cpu.yaml")
+def dht(manifest: ManifestArg, set_: SetOpt = None, initial_peers: PeersOpt = None, as_json: JsonOpt = False) -> None:
+    """A DHT seed node: prints the multiaddrs others join with (--initial-peers), then serves until
+    Ctrl-C or SIGTERM."""
+    from agoractl.runtime import node
+
+    run = load(manifest, set_)
+    d = node.start_dht(run, initial_peers or run.network.initial_peers)
+    stop = threading.Event()
+    node.stop_on_signals(stop)
+    node.watch_parent(stop)
+    try:
+        maddrs = node.visible_maddrs(d)
+        emit({"run": run.metadata.name, "peer": d.peer_id.to_base58(), "maddrs": maddrs}, as_json,
+             lambda r: [stdout.print(m) for m in r["maddrs"]])
+        note(f"DHT seed of run {run.metadata.name} is up; join with --initial-peers {maddrs[0] if maddrs else ''}")
+        while not stop.wait(1.0):
+            pass
+    finally:
+        node.shutdown_dht(d)
+
+
+@app.command(epilog="Example:\n\n  agoractl launch worker manifests/local-cpu.yaml --stage auto "
+                    "--initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEER")
+def worker(
+    manifest: ManifestArg,
+    stage: Annotated[str, typer.Option(help="Stage to serve: a stage name, or auto (the fewest live replicas).")],
+    set_: SetOpt = None,
+    initial_peers: PeersOpt = None,
+    role: Annotated[str, typer.Option(help="operator (reduces in averaging) or contributor (only sends).")] = "operator",
+    device: Annotated[str, typer.Option(help="cpu or cuda (master weights and AdamW moments stay on the CPU).")] = "cpu",
+    stats: StatsOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One worker: a replica of one stage, serving forward and backward requests (report §3.3.1) until the
+    stage reaches training.max_steps and falls idle, or Ctrl-C / SIGTERM."""
+    from agoractl.runtime.worker_node import WorkerNode
+
+    run = load(manifest, set_)
+    _threads(run)
+    result = WorkerNode(run, stage, initial_peers or run.network.initial_peers, role=role, device=device,
+                        stats_path=stats).serve()
+    emit({k: result[k] for k in ("stage", "peer", "step", "forward_samples", "backward_samples", "max_coalesced")},
+         as_json, lambda r: stdout.print(f"worker of {r['stage']}: step {r['step']}, {r['backward_samples']} "
+                                         f"samples, coalesced up to {r['max_coalesced']}"))
+
+
+@app.command(epilog="Example:\n\n  agoractl launch trainer manifests/local-cpu.yaml --index 0 "
+                    "--initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEER")
+def trainer(
+    manifest: ManifestArg,
+    set_: SetOpt = None,
+    index: Annotated[int, typer.Option(help="This trainer's index in the shard ledger (0-based).", min=0)] = 0,
+    initial_peers: PeersOpt = None,
+    min_workers: Annotated[int, typer.Option(help="Start once every stage has this many live workers.",
+                                             min=1)] = 1,
+    stats: StatsOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One trainer: streams its shards and walks every sample through the pipeline (report §3.3.2) until
+    every stage reached training.max_steps, its data runs out, or Ctrl-C / SIGTERM."""
+    from agoractl.runtime.trainer import Trainer
+
+    run = load(manifest, set_)
+    if index >= run.trainers.count:
+        raise UsageError(f"--index {index}: the ledger has trainers.count = {run.trainers.count} trainers",
+                         hint="use an index below trainers.count, or raise trainers.count and rotate-shards")
+    _threads(run)
+    result = Trainer(run, index, initial_peers or run.network.initial_peers, stats_path=stats,
+                     min_workers=min_workers).train()
+    emit({k: result[k] for k in ("trainer", "dispatched", "completed", "lost", "finished_reason")}, as_json,
+         lambda r: stdout.print(f"trainer {r['trainer']}: {r['completed']} samples completed, {r['lost']} lost "
+                                f"({r['finished_reason']})"))
+
+
+@app.command(epilog="Examples:\n\n  agoractl launch swarm manifests/local-cpu.yaml\n\n"
+                    "  agoractl launch swarm manifests/local-cpu.yaml --set local.workers_per_stage=2 --json")
+def swarm(manifest: ManifestArg, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """A whole run on this machine: a DHT seed, local.workers_per_stage workers per stage and local.trainers
+    trainers, each its own process on loopback. Shows live progress on a terminal, stops every process on
+    exit, error or Ctrl-C, and writes <local.run_dir>/swarm-report.json."""
+    from agoractl.runtime.swarm import Swarm
+
+    run = load(manifest, set_)
+    if run.model.family == "llama" and run.model.ssn.rank is None:
+        note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    note(f"swarm: {run.metadata.name}, {len(run.stages)} stages x {run.local.workers_per_stage} workers, "
+         f"{run.local.trainers} trainers, {run.training.max_steps} steps of {run.training.global_batch_size} samples")
+    with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
+        report = Swarm(run, manifest, set_ or [], on_progress=progress.update).run_swarm()
+    emit(report, as_json, _render_swarm)
+
+
+class _Progress:
+    """Live progress on a terminal (rich), or a line on stderr every few seconds otherwise."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, run, live: bool):
+        self.run, self.live = run, live
+        self._live = None
+        self._last = 0.0
+
+    def __enter__(self):
+        if self.live:
+            from rich.live import Live
+
+            from agoractl.cli.output import stderr
+
+            self._live = Live(console=stderr, refresh_per_second=2, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def update(self, status: dict) -> None:
+        import time
+
+        loss = "-" if status["loss"] is None else f"{status['loss']:.4f}"
+        workers = " ".join(f"{s}:{v['live']}" for s, v in status["stages"].items())
+        line = (f"step {status['step']}/{status['max_steps']}  loss {loss}  "
+                f"{status['tokens_per_s']:,.0f} tok/s  workers {workers}  "
+                f"samples {status['completed_samples']} (lost {status['lost_samples']})")
+        if self._live is not None:
+            from rich.table import Table
+
+            table = Table(title=line, show_edge=False)
+            for col in ("stage", "live workers", "step", "samples", "max coalesced"):
+                table.add_column(col, justify="right" if col != "stage" else "left")
+            for s, v in status["stages"].items():
+                table.add_row(s, str(v["live"]), str(v["step"]), str(v["samples"]), str(v["max_coalesced"]))
+            self._live.update(table)
+        elif time.monotonic() - self._last >= self.EVERY_S:
+            self._last = time.monotonic()
+            note(line)
+
+
+def _render_swarm(r: dict) -> None:
+    from rich.table import Table
+
+    first = r["loss"][0][1] if r["loss"] else float("nan")
+    final = r["final_loss"] if r["final_loss"] is not None else float("nan")
+    stdout.print(f"{r['name']}: {r['steps']} steps, {r['tokens']:,} tokens in {r['elapsed_s']:.1f} s "
+                 f"({r['tokens_per_s']:,.0f} tokens/s); loss {first:.4f} -> {final:.4f}; "
+                 f"{r['samples_lost']} samples lost")
+    table = Table(show_edge=False)
+    for col in ("stage", "workers seen", "steps", "samples", "max coalesced", "retries", "bans", "bwd fallbacks"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for s in r["stages"]:
+        table.add_row(s["name"], str(s["workers_seen"]), str(s["steps"]), str(s["samples"]), str(s["max_coalesced"]),
+                      str(s["retries"]), str(s["bans"]), str(s["backward_fallbacks"]))
+    stdout.print(table)
+    stdout.print(f"report: {r['report_path']}")

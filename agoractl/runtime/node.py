@@ -1,0 +1,132 @@
+"""Process plumbing shared by every node (DHT seed, worker, trainer): the DHT, stop signals, the
+parent watchdog, final stats.
+
+- :func:`start_dht` starts a hivemind DHT node from ``network.*`` (loopback by default) with the
+  manifest's generous p2pd start-up timeout, and turns failures into one-line errors.
+- :func:`stop_on_signals`: SIGTERM and SIGINT set a stop event instead of killing the process, so a
+  node finishes its current work, withdraws from the DHT and writes its stats.
+- :func:`watch_parent`: a node started by ``launch swarm`` gets ``AGORA_PARENT_PID``; if that process
+  disappears (even by SIGKILL, which runs no clean-up), the node stops itself rather than linger.
+- :func:`write_stats`: the node's final statistics as JSON, written atomically (temp name + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from agoractl import storage
+from agoractl.errors import RuntimeFailure, UsageError
+from agoractl.manifest.schema import Run
+
+PARENT_ENV = "AGORA_PARENT_PID"
+
+
+def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = False):
+    """A running ``hivemind.DHT`` joined to `initial_peers` (none: a new DHT, i.e. a seed)."""
+    import hivemind
+
+    try:
+        return hivemind.DHT(
+            initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
+            host_maddrs=list(run.network.host_maddrs), announce_maddrs=list(run.network.announce_maddrs) or None,
+            startup_timeout=run.network.startup_timeout_s, await_ready=True,
+        )
+    except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
+        where = f"joining {', '.join(initial_peers)}" if initial_peers else "starting a new DHT"
+        raise RuntimeFailure(f"the DHT node failed {where}: {type(e).__name__}: {e}",
+                             hint="check --initial-peers (multiaddrs printed by `agoractl launch dht`) and "
+                                  "network.host_maddrs; raise network.startup_timeout_s on a loaded machine") from None
+
+
+def require_peers(initial_peers: Sequence[str], what: str) -> list[str]:
+    """The initial peers a worker or trainer needs, or a usage error saying where they come from."""
+    peers = [p for p in initial_peers if p]
+    if not peers:
+        raise UsageError(f"a {what} needs a DHT to join: no --initial-peers and network.initial_peers is empty",
+                         hint="start one with `agoractl launch dht FILE` and pass the multiaddrs it prints "
+                              "with --initial-peers")
+    return peers
+
+
+def visible_maddrs(dht) -> list[str]:
+    return [str(a) for a in dht.get_visible_maddrs()]
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM / SIGINT set `stop`; a second signal exits at once."""
+
+    def handler(signum, _frame):
+        if stop.is_set():
+            os._exit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def watch_parent(stop: threading.Event, grace_s: float = 20.0,
+                 on_orphan: Optional[Callable[[], None]] = None) -> None:
+    """If AGORA_PARENT_PID is set, stop when that process is gone; exit hard `grace_s` later."""
+    raw = os.environ.get(PARENT_ENV)
+    if not raw:
+        return
+    parent = int(raw)
+
+    def alive() -> bool:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def loop():
+        while not stop.is_set():
+            if not alive():
+                if on_orphan is not None:
+                    on_orphan()
+                stop.set()
+                time.sleep(grace_s)
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=loop, name="parent-watchdog", daemon=True).start()
+
+
+def write_stats(path: Optional[str], data: dict[str, Any]) -> None:
+    """Write `data` as JSON at `path` (temp name + rename); nothing when no path was given."""
+    if path:
+        storage.write_bytes_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this node's processes: the node itself, its hivemind
+    DHT process and its p2pd daemon(s) — where a node's time goes, for profiles."""
+    import psutil
+
+    me = psutil.Process()
+    out = {"node": _cpu(me), "dht": 0.0, "p2pd": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            out["p2pd" if child.name().startswith("p2pd") else "dht"] += _cpu(child)
+        except psutil.Error:
+            pass
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def _cpu(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def shutdown_dht(dht) -> None:
+    try:
+        dht.shutdown()
+    except Exception:  # the DHT process may already be gone (parent killed, p2pd died)
+        pass

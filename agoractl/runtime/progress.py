@@ -1,0 +1,101 @@
+"""When the replicas of a stage step: collective progress toward the global batch (report §3.2, §3.3.1).
+
+Every replica counts the samples whose backward it ran — a cumulative ``total`` — and publishes
+``(step, total)`` in the DHT. A replica's view of the stage's cumulative count is its own total plus
+the last total it saw from every peer (a peer that left keeps its last count: its samples happened).
+Step ``t`` (0-based) is complete when the stage has seen ``(t + 1) x training.global_batch_size``
+samples, so a replica steps when
+
+- its view of the stage's count reaches the end of its current step's batch, or
+- some replica is already at a later step (it saw the batch first, or this replica just joined),
+
+and every replica takes one step per collective batch. Because counts are cumulative, samples that
+arrive while the news of a step is still travelling through the DHT count toward the next step
+instead of inflating the current one, so the stage applies ``global_batch_size`` samples per step on
+average whatever the DHT's latency. A replica alone in its stage knows the count exactly: a pure
+pipeline steps every ``global_batch_size`` samples, like the centralized reference, and
+:meth:`StageProgress.room` lets the compute loop stop a coalesced batch at the step boundary.
+
+Pure: the DHT transport lives in :mod:`agoractl.runtime.records`; this module only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One replica's published progress: its step, and its cumulative samples."""
+
+    step: int
+    total: int
+
+
+class StageProgress:
+    """A replica's view of its stage's progress.
+
+    :param target: samples per optimizer step, counted over all replicas (global batch size)
+    :param max_steps: the step counter never goes past this
+    :param step: the step to start at (a joining replica takes the stage's current step)
+    """
+
+    def __init__(self, target: int, max_steps: int, step: int = 0):
+        self.target, self.max_steps = int(target), int(max_steps)
+        self.step = int(step)
+        self.samples = 0
+        """Samples accumulated toward this replica's current step (its gradient's sample count)."""
+        self.total = 0
+        """Samples this replica ran the backward of, since it started."""
+        self.peer_totals: dict[str, int] = {}
+        """The last cumulative count seen from every peer, departed ones included."""
+        self.peers: dict[str, int] = {}
+        """Step of every peer currently publishing."""
+        self._base = self.step * self.target  # a joiner counts from its starting step
+
+    def observe(self, peers: Mapping[str, PeerProgress]) -> None:
+        """Take in the other replicas' records (this replica's own must be left out)."""
+        for peer, p in peers.items():
+            self.peer_totals[peer] = max(self.peer_totals.get(peer, 0), int(p.total))
+        self.peers = {peer: int(p.step) for peer, p in peers.items()}
+
+    def add(self, samples: int) -> None:
+        """This replica accumulated gradients of `samples` more samples."""
+        self.samples += int(samples)
+        self.total += int(samples)
+
+    def stage_total(self) -> int:
+        """This replica's view of the samples the stage has seen."""
+        return self.total + sum(self.peer_totals.values())
+
+    def collective(self) -> int:
+        """Samples the stage has seen toward the current step's batch (beyond it once complete)."""
+        return max(self.stage_total(), self._base) - self.step * self.target
+
+    def ahead(self) -> bool:
+        """Whether another replica already took the current step."""
+        return any(s > self.step for s in self.peers.values())
+
+    def room(self) -> int:
+        """Samples still missing from the current step's batch (0 when it is complete)."""
+        return max(0, self.target - self.collective())
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.max_steps
+
+    def should_step(self) -> bool:
+        return not self.finished and (self.ahead() or self.collective() >= self.target)
+
+    def advance(self) -> int:
+        """Take the step: the counter moves on and local accumulation restarts; returns the samples
+        this replica contributed to the step."""
+        contributed = self.samples
+        self.step += 1
+        self.samples = 0
+        return contributed
+
+    def stage_step(self) -> int:
+        """The furthest step any replica (this one included) has reached: where a newcomer starts."""
+        return max([self.step, *self.peers.values()])

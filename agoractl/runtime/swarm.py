@@ -1,0 +1,361 @@
+"""``agoractl launch swarm``: a whole run on this machine, every node its own process on loopback.
+
+Starts a DHT seed (``launch dht``), ``local.workers_per_stage`` workers per stage and
+``local.trainers`` trainers — each an ordinary ``agoractl launch ...`` subprocess in its own process
+group, logging to ``<run_dir>/swarm/logs/`` — waits for readiness through the DHT records (not by
+sleeping), watches the run (live on a terminal: step, loss, tokens/s, live workers per stage), and
+stops every process it started when the trainers finish, on error and on Ctrl-C. Nodes write their
+final stats to ``<run_dir>/swarm/nodes/``; the run report goes to ``<run_dir>/swarm-report.json``
+(:mod:`agoractl.runtime.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every second:
+the seed's multiaddrs, every node's pid, and the stages' progress (what a script needs to join or
+fault-inject a running swarm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from agoractl import storage
+from agoractl.cli.output import note
+from agoractl.errors import RuntimeFailure
+from agoractl.manifest.schema import Run
+from agoractl.runtime import node
+from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
+from agoractl.runtime.report import write_report
+from agoractl.runtime.swarm_report import aggregate
+
+REPORT_FILE = "swarm-report.json"
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Node:
+    """A process the swarm started."""
+
+    name: str
+    kind: str  # dht, worker, trainer
+    proc: subprocess.Popen
+    log_path: Path
+    stats_path: Optional[Path] = None
+    stage: Optional[str] = None
+    exit_code: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.exit_code is None:
+            self.exit_code = self.proc.poll()
+        return self.exit_code
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Snapshot:
+    """What the monitor last saw in the DHT."""
+
+    workers: dict = field(default_factory=dict)  # stage -> {peer: WorkerRecord}
+    trainers: dict = field(default_factory=dict)  # index -> TrainerRecord
+    time: float = 0.0
+
+
+class Swarm:
+    """Starts, watches and stops one local swarm; :meth:`run` returns the run report."""
+
+    def __init__(self, run: Run, manifest: Path, overrides: list[str],
+                 on_progress: Optional[Callable[[dict], None]] = None):
+        self.run, self.manifest, self.overrides = run, Path(manifest).resolve(), list(overrides)
+        self.on_progress = on_progress
+        self.dir = Path(run.local.run_dir) / "swarm"
+        self.nodes: list[Node] = []
+        self.maddrs: list[str] = []
+        self.snapshot = Snapshot()
+        self.seen: dict[str, WorkerRecord] = {}  # every worker ever announced, last record
+        self.dht = None
+        self.records: Optional[RunRecords] = None
+        self.started_training: Optional[float] = None
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def _argv(self, kind: str, *extra: str) -> list[str]:
+        sets = [a for o in self.overrides for a in ("--set", o)]
+        return [sys.executable, "-m", "agoractl", "launch", kind, str(self.manifest), *sets, *extra]
+
+    def _spawn(self, name: str, kind: str, argv: list[str], stage: Optional[str] = None,
+               stdout=subprocess.DEVNULL) -> Node:
+        log_path = self.dir / "logs" / f"{name}.log"
+        env = {**os.environ, node.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=stdout, stderr=log, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)  # own process group: killed as a whole
+        n = Node(name, kind, proc, log_path, stage=stage)
+        self.nodes.append(n)
+        return n
+
+    def start_seed(self, timeout_s: float) -> list[str]:
+        seed = self._spawn("dht", "dht", self._argv("dht", "--json"), stdout=subprocess.PIPE)
+        lines: queue.Queue = queue.Queue()
+
+        def read():
+            for line in seed.proc.stdout:
+                lines.put(line.decode(errors="replace"))
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        text, deadline = "", time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            text += line
+            try:
+                return list(json.loads(text)["maddrs"])
+            except (json.JSONDecodeError, KeyError):
+                continue
+        raise RuntimeFailure(f"the DHT seed did not start within {timeout_s:.0f} s (exit code {seed.poll()}): "
+                             f"{seed.log_tail(3)}", hint=f"see {seed.log_path}")
+
+    def start_worker(self, stage: str, name: str) -> Node:
+        stats = self.dir / "nodes" / f"{name}.json"
+        n = self._spawn(name, "worker", self._argv("worker", "--stage", stage, "--stats", str(stats),
+                                                   *self._peer_args()), stage=stage)
+        n.stats_path = stats
+        return n
+
+    def start_trainer(self, index: int) -> Node:
+        name = f"trainer-{index}"
+        stats = self.dir / "nodes" / f"{name}.json"
+        n = self._spawn(name, "trainer", self._argv("trainer", "--index", str(index), "--stats", str(stats),
+                                                    "--min-workers", str(self.run.local.workers_per_stage),
+                                                    *self._peer_args()))
+        n.stats_path = stats
+        return n
+
+    def _peer_args(self) -> list[str]:
+        return [a for m in self.maddrs for a in ("--initial-peers", m)]
+
+    def stop_all(self) -> None:
+        """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order),
+        then SIGKILL each node's whole process group, whatever is left of it after the grace period."""
+        alive = [n for n in self.nodes if n.poll() is None]
+        for n in alive:
+            try:
+                n.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        for n in alive:
+            try:
+                n.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for n in self.nodes:  # the group too: DHT children and p2pd of a node killed earlier
+            _signal_group(n.proc.pid, signal.SIGKILL)
+            n.poll()
+
+    # -- monitoring ---------------------------------------------------------------------------
+
+    def observe(self) -> Snapshot:
+        snap = Snapshot(time=time.time())
+        for s in self.run.stage_names():
+            try:
+                snap.workers[s] = self.records.stage_workers(s)
+            except Exception:
+                snap.workers[s] = self.snapshot.workers.get(s, {})
+            for peer, rec in snap.workers[s].items():
+                self.seen[peer] = rec
+        try:
+            snap.trainers = self.records.trainers()
+        except Exception:
+            snap.trainers = self.snapshot.trainers
+        self.snapshot = snap
+        return snap
+
+    def status(self) -> dict:
+        snap = self.snapshot
+        stages = {}
+        for s in self.run.stage_names():
+            recs = snap.workers.get(s, {})
+            stages[s] = {"live": sum(r.phase in SERVING_PHASES for r in recs.values()),
+                         "step": max([0, *(r.step for r in recs.values())]),
+                         "samples": sum(r.samples for r in recs.values()),
+                         "max_coalesced": max([0, *(r.max_coalesced for r in recs.values())])}
+        losses = [t.loss for t in snap.trainers.values() if t.loss is not None]
+        steps = min(v["step"] for v in stages.values()) if stages else 0
+        elapsed = time.time() - self.started_training if self.started_training else 0.0
+        return {
+            "maddrs": self.maddrs,
+            "nodes": [{"name": n.name, "kind": n.kind, "stage": n.stage, "pid": n.proc.pid, "exit_code": n.poll()}
+                      for n in self.nodes],
+            "stages": stages, "step": steps, "max_steps": self.run.training.max_steps,
+            "loss": sum(losses) / len(losses) if losses else None,
+            "tokens_per_s": steps * self.run.training.global_batch_size * self.run.model.seq_len / elapsed
+            if elapsed > 0 else 0.0,
+            "completed_samples": sum(t.completed for t in snap.trainers.values()),
+            "lost_samples": sum(t.lost for t in snap.trainers.values()),
+        }
+
+    def _write_status(self, status: dict) -> None:
+        storage.write_bytes_atomic(str(self.dir / "status.json"), (json.dumps(status, indent=2) + "\n").encode())
+
+    def _wait_for_workers(self, timeout_s: float) -> None:
+        want = self.run.local.workers_per_stage
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_nodes(kinds=("dht", "worker", "trainer"))
+            snap = self.observe()
+            live = {s: sum(r.phase in SERVING_PHASES for r in snap.workers[s].values()) for s in snap.workers}
+            self._write_status(self.status())
+            if all(v >= want for v in live.values()):
+                return
+            time.sleep(0.5)
+        raise RuntimeFailure(f"workers did not all announce themselves within {timeout_s:.0f} s",
+                             hint=f"see the logs in {self.dir / 'logs'}; raise network.startup_timeout_s "
+                                  "on a loaded machine")
+
+    def _check_nodes(self, kinds: tuple[str, ...]) -> None:
+        for n in self.nodes:
+            if n.kind in kinds and n.poll() is not None:
+                raise RuntimeFailure(f"{n.name} exited with code {n.exit_code} during start-up: {n.log_tail(3)}",
+                                     hint=f"see {n.log_path}")
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Check the data before starting anything (a missing shard index fails here, in one line), make
+        sure the shard ledger exists (trainers would race to create it), and reset the swarm directory."""
+        from agoractl.data.index import read_index
+        from agoractl.data.stream import LedgerFile
+
+        LedgerFile(self.run, read_index(self.run.data.output))
+        for sub in ("logs", "nodes"):
+            shutil.rmtree(self.dir / sub, ignore_errors=True)
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+
+    def run_swarm(self) -> dict:
+        """Start everything, train to the end, stop everything; returns the run report (also written)."""
+        startup = self.run.network.startup_timeout_s
+        self.prepare()
+        t_begin = time.time()
+        interrupted = False
+        try:
+            self.maddrs = self.start_seed(startup * 2)
+            self.dht = node.start_dht(self.run, self.maddrs, client_mode=True)
+            self.records = RunRecords(self.dht, self.run.metadata.name)
+            note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
+            for s in self.run.stage_names():
+                for i in range(self.run.local.workers_per_stage):
+                    self.start_worker(s, f"worker-{s}-{i}")
+            # Trainers start now too (their start-up overlaps the workers'); each waits until every
+            # stage has local.workers_per_stage live workers before its first sample.
+            trainers = [self.start_trainer(i) for i in range(self.run.local.trainers)]
+            self._wait_for_workers(startup * 3)
+            note(f"{sum(n.kind == 'worker' for n in self.nodes)} workers up in {time.time() - t_begin:.1f} s "
+                 f"(logs in {self.dir / 'logs'})")
+            self.started_training = time.time()
+            self._watch(trainers)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            self.stop_all()
+            if self.dht is not None:
+                try:
+                    self.observe()
+                except Exception:
+                    pass
+                node.shutdown_dht(self.dht)
+        report = self.report(fallback_elapsed_s=time.time() - (self.started_training or t_begin),
+                             interrupted=interrupted)
+        report["report_path"] = write_report(self.run.local.run_dir, REPORT_FILE, report)
+        if interrupted:
+            raise KeyboardInterrupt
+        return report
+
+    def _watch(self, trainers: list[Node]) -> None:
+        last_status = 0.0
+        while True:
+            done = [t for t in trainers if t.poll() is not None]
+            if time.monotonic() - last_status >= 1.0 or len(done) == len(trainers):
+                last_status = time.monotonic()
+                self.observe()
+                status = self.status()
+                self._write_status(status)
+                if self.on_progress is not None:
+                    self.on_progress(status)
+            if len(done) == len(trainers):
+                failed = [t for t in done if t.exit_code != 0]
+                if failed and len(failed) == len(trainers):
+                    raise RuntimeFailure(f"every trainer failed; {failed[0].name} exited with code "
+                                         f"{failed[0].exit_code}: {failed[0].log_tail(3)}",
+                                         hint=f"see the logs in {self.dir / 'logs'}")
+                return
+            time.sleep(0.2)
+
+    def report(self, fallback_elapsed_s: float, interrupted: bool = False) -> dict:
+        workers, trainers, lost_trainers, exits = [], [], [], {}
+        for n in self.nodes:
+            stats = _read_json(n.stats_path) if n.stats_path else None
+            exits[n.name] = n.exit_code
+            if n.kind == "worker":
+                if stats is not None:
+                    workers.append(stats)
+            elif n.kind == "trainer":
+                if stats is not None:
+                    trainers.append(stats)
+        have = {w.get("peer") for w in workers}
+        for peer, rec in self.seen.items():  # killed workers: their last DHT record stands in
+            if peer not in have:
+                workers.append({**rec.to_dict(), "killed": True})
+        written = {t.get("trainer") for t in trainers}
+        for index, rec in self.snapshot.trainers.items():
+            if index not in written:
+                lost_trainers.append(rec.to_dict())
+        return aggregate(self.run, workers, trainers, lost_trainers, fallback_elapsed_s,
+                         interrupted=interrupted, workers=[_worker_summary(w) for w in workers],
+                         trainers=[_trainer_summary(t) for t in trainers], exit_codes=exits,
+                         processes={"workers_per_stage": self.run.local.workers_per_stage,
+                                    "trainers": self.run.local.trainers,
+                                    "threads_per_process": self.run.local.threads_per_process})
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_json(path: Optional[Path]) -> Optional[dict]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _worker_summary(w: dict) -> dict:
+    keys = ("peer", "stage", "step", "samples", "backward_samples", "forward_samples", "max_coalesced",
+            "coalesced_sum", "batches", "compute_s", "idle_s", "throughput", "first_request", "started", "cpu_s", "cpu_at_ready_s",
+            "killed")
+    return {k: w[k] for k in keys if k in w}
+
+
+def _trainer_summary(t: dict) -> dict:
+    keys = ("trainer", "peer", "dispatched", "completed", "lost", "lost_at", "first_dispatch", "finished_reason",
+            "cpu_s", "cpu_at_start_s")
+    return {k: t[k] for k in keys if k in t}

@@ -1,0 +1,357 @@
+"""A trainer (``agoractl launch trainer``): holds no parameters, walks samples through the pipeline
+(report §3.3.2).
+
+For each sample it sends the forward head → body → tail, to the worker each stage's
+:class:`~agoractl.runtime.balancer.Balancer` chooses, keeping every stage's input wire tensor; the
+tail's fused call computes forward, loss and backward at once; then the backward unwinds tail →
+head, each stage's **pinned** to the worker that ran its forward (report §4.2.1). Only when that
+worker is gone (the call fails) does the backward fall back to another replica, which recomputes
+the forward under its own weights; fallbacks are counted. A failed forward is re-sent to another
+replica (up to ``trainers.retries`` times); a failed worker is banned for ``trainers.ban_s``. A
+sample that runs out of retries, or finds no replica, is counted as lost — every dispatched sample
+ends completed or lost. ``trainers.in_flight`` samples travel at once (concurrent pipelines).
+
+Tensors on the wire are what the workers send: SSN coordinates (k per token) when ``model.ssn`` is
+set, never a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records
+every ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes
+loss, samples and tokens consumed per shard in the DHT, and stops once every stage has taken
+``training.max_steps`` steps (seen in the workers' replies and records) or its data runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from agoractl import logs
+from agoractl.manifest.schema import Run
+from agoractl.runtime import node
+from agoractl.runtime.balancer import Balancer
+from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
+from agoractl.runtime.transport import StageClient
+
+PUBLISH_S = 1.0
+"""Seconds between the trainer's DHT records (and live progress)."""
+DATA_REPORT_S = 10.0
+"""Seconds between reports of data consumption to the shard ledger's progress files."""
+
+
+@dataclass
+class StageCounters:
+    retries: int = 0
+    """Requests re-sent to another replica after a failure (forward retries and backward fallbacks)."""
+    backward_fallbacks: int = 0
+    """Backward passes served by a replica other than the one that ran the forward."""
+    failures: int = 0
+    """Failed calls (errors and timeouts)."""
+
+
+@dataclass
+class TrainerStats:
+    dispatched: int = 0
+    completed: int = 0
+    lost: int = 0
+    lost_at: dict = field(default_factory=dict)
+    """Lost samples per (stage, direction), e.g. {"body-1/backward": 1}."""
+    loss: dict = field(default_factory=dict)
+    """{tail step: [loss sum, samples]}: the loss curve, by the step the tail counted the sample toward."""
+    first_dispatch: Optional[float] = None
+    last_completion: Optional[float] = None
+    finished_reason: str = ""
+
+
+class Trainer:
+    """One trainer process: DHT client, per-stage balancers, concurrent sample pipelines."""
+
+    def __init__(self, run: Run, index: int, initial_peers: Sequence[str], stats_path: Optional[str] = None,
+                 samples: Optional[Iterator[torch.Tensor]] = None, min_workers: int = 1):
+        self.run, self.index, self.stats_path = run, index, stats_path
+        self.min_workers = max(1, int(min_workers))
+        self.stages = run.stage_names()
+        self.t = run.trainers
+        self.log = logs.get("trainer")
+        self.stop = threading.Event()
+        self._stream = samples
+        self.dht = node.start_dht(run, node.require_peers(initial_peers, "trainer"), client_mode=True)
+        self.peer = self.dht.peer_id.to_base58()
+        self.records = RunRecords(self.dht, run.metadata.name)
+        self.balancers = {s: Balancer(self.t.ban_s) for s in self.stages}
+        self.counters = {s: StageCounters() for s in self.stages}
+        self.stats = TrainerStats()
+        self.seen_step = {s: 0 for s in self.stages}
+        self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
+        self.in_flight = 0
+        self.cpu_at_start: dict = {}
+        self._recent_loss: list[float] = []
+        self._dht_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-dht")
+        self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-data")
+        self._last_discovery = {s: float("-inf") for s in self.stages}
+        logs.bind(run=run.metadata.name, role="trainer", trainer=index, peer=self.peer[-8:])
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    async def _dht(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._dht_pool, fn, *args)
+
+    def finished(self) -> bool:
+        return all(self.seen_step[s] >= self.run.training.max_steps for s in self.stages)
+
+    async def discover(self, stage: str) -> None:
+        """Refresh one stage's membership from the DHT (workers in weight sync are invisible)."""
+        self._last_discovery[stage] = time.monotonic()
+        try:
+            found = await self._dht(self.records.stage_workers, stage)
+        except Exception as e:
+            self.log.warning("discovery failed", stage=stage, error=f"{type(e).__name__}: {e}")
+            return
+        serving = {p: (r.throughput or None) for p, r in found.items() if r.phase in SERVING_PHASES}
+        added, removed = self.balancers[stage].update(serving, time.monotonic())
+        self.seen_workers[stage].update(serving)
+        if found:
+            self.seen_step[stage] = max(self.seen_step[stage], max(r.step for r in found.values()))
+        if added or removed:
+            self.log.info("workers changed", stage=stage, added=len(added), removed=len(removed),
+                          live=len(serving))
+
+    async def _discovery_loop(self) -> None:
+        while not self.stop.is_set():
+            await asyncio.gather(*(self.discover(s) for s in self.stages))
+            await asyncio.sleep(self.t.discovery_period_s)
+
+    async def _choose(self, stage: str, exclude: set[str]) -> Optional[str]:
+        """A worker for `stage`, waiting for discovery (up to request_timeout_s) when none is available."""
+        deadline = time.monotonic() + self.t.request_timeout_s
+        while True:
+            peer = self.balancers[stage].choose(time.monotonic(), 1.0, exclude)
+            if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
+                return peer
+            if time.monotonic() - self._last_discovery[stage] > 1.0:
+                await self.discover(stage)
+            else:
+                await asyncio.sleep(0.2)
+
+    def _fail(self, stage: str, peer: str, method: str, error: BaseException) -> None:
+        self.counters[stage].failures += 1
+        self.balancers[stage].ban(peer, time.monotonic())
+        self.log.warning("call failed; worker banned", stage=stage, method=method, worker=peer[-8:],
+                         error=f"{type(error).__name__}: {str(error)[:200]}", ban_s=self.t.ban_s)
+
+    async def _call(self, stage: str, peer: str, method: str, tensors: dict) -> tuple[dict, dict]:
+        t0 = time.monotonic()
+        out, meta = await self.client.call(peer, stage, method, tensors, {"trainer": self.index},
+                                           timeout=self.t.request_timeout_s)
+        self.balancers[stage].record_success(peer, 1.0, time.monotonic() - t0)
+        if "step" in meta:
+            self.seen_step[stage] = max(self.seen_step[stage], int(meta["step"]))
+        return out, meta
+
+    async def _dispatch(self, stage: str, method: str, tensors: dict, exclude: Sequence[str] = ()):
+        """(peer, outputs, meta) from the first replica that serves the request; None when the retries
+        run out or no replica is available. Every re-send after a failure counts as a retry."""
+        tried = set(exclude)
+        for attempt in range(self.t.retries + 1):
+            peer = await self._choose(stage, tried)
+            if peer is None:
+                return None
+            if attempt > 0 or exclude:
+                self.counters[stage].retries += 1
+            try:
+                out, meta = await self._call(stage, peer, method, tensors)
+                return peer, out, meta
+            except Exception as e:  # error reply, timeout, or the worker is gone
+                self._fail(stage, peer, method, e)
+                tried.add(peer)
+        return None
+
+    async def _backward(self, stage: str, pinned: str, tensors: dict):
+        """The backward on the worker that ran the forward; another replica only if that one fails."""
+        try:
+            out, meta = await self._call(stage, pinned, "backward", tensors)
+            return pinned, out, meta
+        except Exception as e:
+            self._fail(stage, pinned, "backward", e)
+        result = await self._dispatch(stage, "backward", tensors, exclude=[pinned])
+        if result is not None:
+            self.counters[stage].backward_fallbacks += 1
+        return result
+
+    # -- one sample ---------------------------------------------------------------------------
+
+    def _lose(self, stage: str, direction: str) -> bool:
+        self.stats.lost += 1
+        key = f"{stage}/{direction}"
+        self.stats.lost_at[key] = self.stats.lost_at.get(key, 0) + 1
+        self.log.warning("sample lost", stage=stage, direction=direction)
+        return False
+
+    async def run_sample(self, sample: torch.Tensor) -> bool:
+        """Forward through every stage, the tail's fused loss and backward, then the pinned backward."""
+        ids = sample.to(torch.int32).reshape(1, -1)
+        path: list[str] = []
+        inputs: list[Optional[torch.Tensor]] = []
+        wire: Optional[torch.Tensor] = None
+        for stage in self.stages[:-1]:
+            result = await self._dispatch(stage, "forward", {"ids": ids, **({"wire": wire} if wire is not None else {})})
+            if result is None:
+                return self._lose(stage, "forward")
+            peer, out, _ = result
+            path.append(peer)
+            inputs.append(wire)
+            wire = out["wire"]
+        tail = self.stages[-1]
+        result = await self._dispatch(tail, "forward_backward", {"ids": ids, "wire": wire})
+        if result is None:
+            return self._lose(tail, "forward_backward")
+        _, out, meta = result
+        loss, grad = float(out["loss"].reshape(-1)[0]), out["grad"]
+        step = int(meta.get("step", 0))
+        entry = self.stats.loss.setdefault(step, [0.0, 0])
+        entry[0] += loss
+        entry[1] += 1
+        self._recent_loss.append(loss)
+        for i in reversed(range(len(self.stages) - 1)):
+            stage = self.stages[i]
+            tensors = {"ids": ids, "grad": grad, **({"wire": inputs[i]} if inputs[i] is not None else {})}
+            result = await self._backward(stage, path[i], tensors)
+            if result is None:
+                return self._lose(stage, "backward")
+            grad = result[1].get("grad")
+        return True
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _open_stream(self):
+        if self._stream is None:
+            from agoractl.data.stream import trainer_stream
+
+            self._stream = trainer_stream(self.run, self.index)
+        return self._stream
+
+    async def _next_sample(self) -> Optional[torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(self._data_pool, next, self._stream, None)
+
+    async def _pipeline(self) -> None:
+        while not self.stop.is_set() and not self.finished():
+            sample = await self._next_sample()
+            if sample is None:
+                self.stats.finished_reason = self.stats.finished_reason or "data exhausted"
+                return
+            if self.finished() or self.stop.is_set():
+                return  # drawn but never dispatched: not a lost sample
+            self.stats.dispatched += 1
+            self.stats.first_dispatch = self.stats.first_dispatch or time.time()
+            self.in_flight += 1
+            try:
+                if await self.run_sample(sample):
+                    self.stats.completed += 1
+                    self.stats.last_completion = time.time()
+            finally:
+                self.in_flight -= 1
+
+    def record(self, done: bool = False) -> TrainerRecord:
+        recent, self._recent_loss = self._recent_loss, []
+        tail_step = max(self.stats.loss, default=0)
+        tokens = getattr(self._stream, "tokens_consumed", lambda: {})()
+        return TrainerRecord(trainer=self.index, peer=self.peer, dispatched=self.stats.dispatched,
+                             completed=self.stats.completed, lost=self.stats.lost, in_flight=self.in_flight,
+                             loss=sum(recent) / len(recent) if recent else None, tail_step=tail_step,
+                             tokens=tokens, pid=os.getpid(), done=done)
+
+    async def _publish_loop(self) -> None:
+        last_data_report = time.monotonic()
+        while not self.stop.is_set():
+            await asyncio.sleep(PUBLISH_S)
+            try:
+                await self._dht(self.records.publish_trainer, self.record(), 10 * PUBLISH_S + self.t.discovery_period_s)
+            except Exception as e:
+                self.log.warning("publishing progress failed", error=f"{type(e).__name__}: {e}")
+            if time.monotonic() - last_data_report > DATA_REPORT_S:
+                last_data_report = time.monotonic()
+                await self._report_data()
+
+    async def _report_data(self) -> None:
+        if not hasattr(self._stream, "position"):
+            return
+        from agoractl.data.stream import report_progress
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._data_pool, report_progress, self.run,
+                                                             self.index, self._stream)
+        except Exception as e:  # consumption reports are advisory; training goes on
+            self.log.warning("data progress report failed", error=f"{type(e).__name__}: {e}")
+
+    async def _wait_for_stages(self) -> None:
+        """Training begins when every stage advertises at least one available worker (§3.3.2.1), or
+        `min_workers` of them."""
+        t0 = time.monotonic()
+        while not self.stop.is_set():
+            await asyncio.gather(*(self.discover(s) for s in self.stages))
+            missing = [s for s in self.stages
+                       if len(self.balancers[s].available(time.monotonic())) < self.min_workers]
+            if not missing:
+                return
+            if time.monotonic() - t0 > 10:
+                self.log.info("waiting for workers", stages=missing)
+                t0 = time.monotonic()
+            await asyncio.sleep(0.5)
+
+    async def _main(self) -> None:
+        self.client = StageClient(await self.dht.replicate_p2p(), self.run.metadata.name)
+        await self._wait_for_stages()
+        self.cpu_at_start = node.cpu_seconds()
+        self.log.info("trainer starts", in_flight=self.t.in_flight)
+        background = [asyncio.create_task(self._discovery_loop()), asyncio.create_task(self._publish_loop())]
+        try:
+            await asyncio.gather(*(self._pipeline() for _ in range(self.t.in_flight)))
+        finally:
+            for task in background:
+                task.cancel()
+        if self.finished():
+            self.stats.finished_reason = "max_steps reached"
+        elif self.stop.is_set():
+            self.stats.finished_reason = self.stats.finished_reason or "stopped"
+
+    def train(self) -> dict:
+        """Run until every stage reached max_steps, the data ran out, or a stop signal; returns the stats."""
+        node.stop_on_signals(self.stop)
+        node.watch_parent(self.stop)
+        try:
+            self._open_stream()
+            asyncio.run(self._main())
+        finally:
+            stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_start_s": self.cpu_at_start}
+            try:
+                self.records.publish_trainer(self.record(done=True), 60.0)
+            except Exception:
+                pass
+            if hasattr(self._stream, "position"):
+                try:
+                    from agoractl.data.stream import report_progress
+
+                    report_progress(self.run, self.index, self._stream)
+                except Exception:
+                    pass
+            node.write_stats(self.stats_path, stats)
+            self._dht_pool.shutdown(wait=False)
+            self._data_pool.shutdown(wait=False)
+            node.shutdown_dht(self.dht)
+        self.log.info("trainer done", reason=stats["finished_reason"], completed=stats["completed"],
+                      lost=stats["lost"])
+        return stats
+
+    def final_stats(self) -> dict:
+        return {"kind": "trainer", "trainer": self.index, "peer": self.peer, "pid": os.getpid(),
+                **asdict(self.stats),
+                "loss": {str(k): v for k, v in sorted(self.stats.loss.items())},
+                "stages": {s: {**asdict(self.counters[s]), "bans": self.balancers[s].bans,
+                               "workers_seen": sorted(self.seen_workers[s])}
+                           for s in self.stages},
+                "seen_step": dict(self.seen_step),
+                "tokens": {str(k): int(v) for k, v in getattr(self._stream, "tokens_consumed", lambda: {})().items()}}

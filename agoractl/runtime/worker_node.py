@@ -1,0 +1,229 @@
+"""A worker process (``agoractl launch worker``): the :class:`~agoractl.runtime.worker.Worker` compute,
+connected to the DHT and libp2p (report §3.3.1).
+
+Three threads:
+
+- the **compute loop** (the caller's thread): queues, coalescing, forward/backward, stepping;
+- the **connection handler**: an asyncio loop on a P2P replica of the DHT's daemon serving the stage's
+  RPCs (:mod:`agoractl.runtime.transport`); each request becomes a :class:`Task` on a queue and its
+  reply is sent when the compute loop resolves it;
+- the **DHT thread**: re-announces the worker under its stage-prefixed key every
+  ``workers.announce_period_s`` (expiry three periods, report §3.3.1.5), publishes its
+  ``(step, samples)`` whenever they change and fetches its stage peers' progress, so the replicas
+  step together (:mod:`agoractl.runtime.progress`). Every DHT call is made from this thread only.
+
+``--stage auto`` joins the stage with the fewest live replicas (ties: the earliest stage). A worker
+that joins a running stage starts at the stage's current step. Once the stage reached
+``training.max_steps`` and no request came for :data:`FINISHED_IDLE_S` seconds, the worker exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from agoractl import logs
+from agoractl.errors import UsageError
+from agoractl.manifest.schema import Run
+from agoractl.runtime import node
+from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
+from agoractl.runtime.transport import StageServicer, namespace
+from agoractl.runtime.worker import Task, Worker
+
+FINISHED_IDLE_S = 10.0
+"""A worker whose stage finished exits after this many seconds without requests."""
+PROGRESS_FETCH_S = (0.1, 1.0)
+"""Seconds between fetches of the stage's progress: with peers, alone."""
+PROGRESS_PUBLISH_S = (0.1, 1.0)
+"""Least seconds between publications of a changed sample count: with peers, alone (a new step is
+published at once)."""
+
+
+def choose_stage(live: dict[str, int], order: Sequence[str]) -> str:
+    """`--stage auto`: the stage with the fewest live replicas; ties go to the earliest stage."""
+    return min(order, key=lambda s: (live.get(s, 0), order.index(s)))
+
+
+class WorkerNode:
+    """One worker process: DHT node, connection handler, compute loop."""
+
+    def __init__(self, run: Run, stage: str, initial_peers: Sequence[str], role: str = "operator",
+                 device: str = "cpu", stats_path: Optional[str] = None, phase: str = "active"):
+        if role not in ("operator", "contributor"):
+            raise UsageError(f"--role {role}: choose operator or contributor")
+        if phase not in PHASES:
+            raise UsageError(f"phase {phase}: choose one of {', '.join(PHASES)}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu")
+        if stage != "auto" and stage not in run.stage_names():
+            raise UsageError(f"--stage {stage}: no such stage; stages are {', '.join(run.stage_names())} (or auto)")
+        self.run, self.stats_path = run, stats_path
+        self.period = run.workers.announce_period_s
+        self.stop = threading.Event()
+        self.log = logs.get("worker")
+        self.dht = node.start_dht(run, node.require_peers(initial_peers, "worker"))
+        self.records = RunRecords(self.dht, run.metadata.name)
+        self.peer = self.dht.peer_id.to_base58()
+        if stage == "auto":
+            names = run.stage_names()
+            live = {s: sum(r.phase in SERVING_PHASES for r in self.records.stage_workers(s).values()) for s in names}
+            stage = choose_stage(live, names)
+        self.stage = stage
+        index = run.stage_names().index(stage)
+        joined_at = max([0, *(p.step for p in self.records.stage_progress(stage).values())])
+        if joined_at:
+            self.log.info("joining a running stage", stage=stage, step=joined_at)
+        self.worker = Worker(run, index, device, step=joined_at, phase=phase, role=role)
+        self.started = time.time()
+        self.cpu_at_ready: dict = {}
+        self.dht_calls: dict[str, list] = {}
+        """{DHT call: [count, seconds]}, for profiles."""
+        self.announced: Optional[float] = None
+        """Wall-clock time of the first successful announcement (when trainers can first see it)."""
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._served_ready = threading.Event()
+        self._serve_error: Optional[BaseException] = None
+        logs.bind(run=run.metadata.name, role="worker", stage=stage, peer=self.peer[-8:])
+
+    # -- connection handler -------------------------------------------------------------------
+
+    async def _handle(self, method: str, tensors: dict, meta: dict, caller: str):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def resolve(result, error):
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        def done(result, error):
+            loop.call_soon_threadsafe(resolve, result, error)
+
+        if "ids" not in tensors:
+            raise ValueError("a stage request carries the sample's token ids ('ids')")
+        self.worker.submit(Task(method, tensors["ids"], tensors.get("wire"), tensors.get("grad"), done))
+        result = await fut
+        out = {k: v for k, v in result.items() if isinstance(v, torch.Tensor)}
+        return out, {k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}
+
+    def _serve(self) -> None:
+        self.loop = loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def main():
+            try:
+                p2p = await self.dht.replicate_p2p()
+                servicer = StageServicer(self._handle)
+                await servicer.add_p2p_handlers(p2p, namespace=namespace(self.run.metadata.name, self.stage))
+            except BaseException as e:
+                self._serve_error = e
+                self._served_ready.set()
+                self.stop.set()
+                return
+            self._served_ready.set()
+            while not self.stop.is_set():
+                await asyncio.sleep(0.1)
+            try:
+                await servicer.remove_p2p_handlers(p2p, namespace=namespace(self.run.metadata.name, self.stage))
+            except Exception:
+                pass
+
+        loop.run_until_complete(main())
+
+    # -- DHT thread ---------------------------------------------------------------------------
+
+    def record(self) -> WorkerRecord:
+        w, s = self.worker, self.worker.stats
+        return WorkerRecord(peer=self.peer, stage=self.stage, phase=w.phase, role=w.role, step=w.progress.step,
+                            samples=s.backward_samples, throughput=round(w.throughput, 3),
+                            max_coalesced=s.max_coalesced, queued=w.queued(), pid=os.getpid(),
+                            started=self.started, first_request=s.first_request)
+
+    def _dht_call(self, fn, *args):
+        t0 = time.monotonic()
+        try:
+            out = fn(*args)
+            self.worker.emit("dht", ok=True, time=time.monotonic())
+            calls = self.dht_calls.setdefault(fn.__name__, [0, 0.0])
+            calls[0] += 1
+            calls[1] += time.monotonic() - t0
+            return out
+        except Exception as e:
+            self.worker.emit("dht", ok=False, time=time.monotonic(), error=f"{type(e).__name__}: {e}")
+            return None
+
+    def _sync(self) -> None:
+        progress, ttl = self.worker.progress, 3 * self.period
+        next_announce = next_fetch = last_publish = 0.0
+        last_published = None
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now >= next_announce:
+                if self._dht_call(self.records.announce_worker, self.record(), ttl) and self.announced is None:
+                    self.announced = time.time()
+                next_announce = now + self.period
+            mine = (progress.step, progress.total)
+            # Peers need our count soon (they step on it); alone, only newcomers read it (for the step).
+            publish_every = PROGRESS_PUBLISH_S[0 if progress.peers else 1]
+            due = (last_published is None or mine[0] != last_published[0]  # a new step: at once
+                   or (mine != last_published and now - last_publish >= publish_every)
+                   or now - last_publish >= self.period)  # refresh before the record expires
+            if due:
+                last_publish = now
+                if self._dht_call(self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl):
+                    last_published = mine
+            if now >= next_fetch:
+                peers = self._dht_call(self.records.stage_progress, self.stage)
+                if peers is not None:
+                    peers.pop(self.peer, None)
+                    progress.observe(peers)
+                next_fetch = now + PROGRESS_FETCH_S[0 if progress.peers else 1]
+            self.worker.progress_changed.wait(0.05)
+            self.worker.progress_changed.clear()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def serve(self) -> dict:
+        """Run until stopped (signal, parent gone, or the stage finished and idle); returns the stats."""
+        node.stop_on_signals(self.stop)
+        node.watch_parent(self.stop)
+        server = threading.Thread(target=self._serve, name="connection-handler", daemon=True)
+        server.start()
+        self._served_ready.wait()
+        if self._serve_error is not None:
+            node.shutdown_dht(self.dht)
+            raise self._serve_error
+        sync = threading.Thread(target=self._sync, name="dht-sync", daemon=True)
+        sync.start()
+        self.cpu_at_ready = node.cpu_seconds()
+        self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
+                      peer=self.peer, pid=os.getpid())
+        last_work = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                if self.worker.run_once(0.05):
+                    last_work = time.monotonic()
+                elif self.worker.progress.finished and time.monotonic() - last_work > FINISHED_IDLE_S:
+                    self.log.info("stage finished; worker exits", step=self.worker.progress.step)
+                    break
+        finally:
+            self.stop.set()
+            self.worker.fail_pending(RuntimeError(f"worker of stage {self.stage} is shutting down"))
+            sync.join(timeout=5)
+            self._dht_call(self.records.withdraw_worker, self.stage, self.peer)
+            server.join(timeout=5)
+            stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_ready_s": self.cpu_at_ready}
+            node.write_stats(self.stats_path, stats)
+            node.shutdown_dht(self.dht)
+        return stats
+
+    def final_stats(self) -> dict:
+        from dataclasses import asdict
+
+        return {"kind": "worker", "peer": self.peer, "stage": self.stage, "pid": os.getpid(),
+                "phase": self.worker.phase, "role": self.worker.role, "step": self.worker.progress.step,
+                "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats)}

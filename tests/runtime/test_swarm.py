@@ -1,0 +1,223 @@
+"""The real swarm on loopback (agoractl launch swarm / worker): a DHT seed, workers and trainers, each its
+own process talking libp2p through hivemind. Not mocked, not skipped: marked ``swarm`` (slow).
+
+Tiny model settings keep each run to well under a minute of training on 2 shared CPU cores; the
+corpus is the synthetic sample, sharded once per module into a temporary directory. Every process a
+test starts is killed in a finalizer, even when the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MANIFESTS
+
+pytestmark = pytest.mark.swarm
+MANIFEST = MANIFESTS / "local-cpu.yaml"
+TINY = ["model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8",
+        "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
+        "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=90"]
+
+
+def agoractl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agoractl", *args]
+
+
+def sets(values) -> list[str]:
+    return [a for v in values for a in ("--set", v)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    """The sample corpus, sharded: the --set values that point a run at it."""
+    root = tmp_path_factory.mktemp("corpus")
+    subprocess.run(agoractl("data", "sample", "--out", str(root / "sample"), "--rows", "2000", "--files", "2",
+                            "--json"), check=True, capture_output=True, timeout=300)
+    data = [f"data.source={root / 'sample'}/*.parquet", f"data.output={root / 'shards'}", "data.num_shards=4"]
+    subprocess.run(agoractl("shard", str(MANIFEST), *sets(data), "--json"), check=True, capture_output=True,
+                   timeout=300)
+    return data
+
+
+class Procs:
+    """Processes a test starts, and the swarm's nodes (from its status file): all killed at the end."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+        self.status_files: list[Path] = []
+
+    def start(self, argv, **kw) -> subprocess.Popen:
+        p = subprocess.Popen(argv, start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def kill_all(self) -> None:
+        pids = [p.pid for p in self.procs]
+        for f in self.status_files:
+            try:
+                pids += [n["pid"] for n in json.loads(f.read_text())["nodes"]]
+            except (OSError, ValueError, KeyError):
+                pass
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.kill_all()
+
+
+def run_swarm(procs: Procs, run_dir: Path, values: list[str], timeout: float = 420.0) -> tuple[subprocess.Popen, Path]:
+    """Start `launch swarm --json` in the background; returns the process and its status file."""
+    status = run_dir / "swarm" / "status.json"
+    procs.status_files.append(status)
+    p = procs.start(agoractl("launch", "swarm", str(MANIFEST), *sets(values + [f"local.run_dir={run_dir}"]), "--json"),
+                    stdout=subprocess.PIPE, stderr=open(run_dir.parent / f"{run_dir.name}-swarm.err", "wb"))
+    p.deadline = time.monotonic() + timeout
+    return p, status
+
+
+def finish(p: subprocess.Popen, run_dir: Path) -> dict:
+    try:
+        out, _ = p.communicate(timeout=max(1.0, p.deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"the swarm did not finish in time; stderr:\n{err_tail(run_dir)}")
+    assert p.returncode == 0, f"swarm exit {p.returncode}; stderr:\n{err_tail(run_dir)}"
+    report = json.loads(out)
+    assert report == json.loads((run_dir / "swarm-report.json").read_text()) | {"report_path": report["report_path"]}
+    return report
+
+
+def err_tail(run_dir: Path) -> str:
+    try:
+        return "\n".join((run_dir.parent / f"{run_dir.name}-swarm.err").read_text().splitlines()[-30:])
+    except OSError:
+        return ""
+
+
+def wait_status(status: Path, p: subprocess.Popen, pred, timeout: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert p.poll() is None, f"the swarm exited early ({p.returncode})"
+        try:
+            s = json.loads(status.read_text())
+            if pred(s):
+                return s
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    pytest.fail("the swarm never reached the awaited state")
+
+
+def by_stage(report: dict) -> dict:
+    return {s["name"]: s for s in report["stages"]}
+
+
+def test_replicated_swarm_trains_steps_together_and_coalesces(corpus, procs, tmp_path):
+    """DHT seed, 3 stages x 2 workers, 2 trainers, each its own process: 30 optimizer steps."""
+    run_dir = tmp_path / "run"
+    p, _ = run_swarm(procs, run_dir, corpus + TINY + [
+        "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "trainers.in_flight=4",
+        "training.max_steps=30"])
+    r = finish(p, run_dir)
+    assert r["mode"] == "swarm" and r["steps"] == 30 and r["completed"]
+    first = sum(v for _, v in r["loss"][:3]) / 3
+    assert r["final_loss"] < first - 0.5, r["loss"]
+    assert r["samples_lost"] == 0 and r["samples_completed"] >= 30 * 8
+    for w in r["workers"]:  # every replica of every stage took all 30 steps
+        assert w["step"] == 30, w
+    stages = by_stage(r)
+    assert set(stages) == {"head", "body-1", "tail"}
+    for s in stages.values():
+        assert s["workers_seen"] == 2 and s["steps"] == 30
+        assert s["backward_fallbacks"] == 0 and s["bans"] == 0
+    assert max(s["max_coalesced"] for s in stages.values()) > 1
+    assert all(w["backward_samples"] > 0 for w in r["workers"])  # the balancer used both replicas
+    assert r["tokens"] == 30 * 8 * 64 and r["tokens_per_s"] > 0
+
+
+def test_sigkilled_worker_costs_retries_not_samples(corpus, procs, tmp_path):
+    """SIGKILL one body worker mid-run: training still reaches max_steps, the dead worker is banned,
+    its work is re-sent (retries), and no sample is lost."""
+    run_dir = tmp_path / "run"
+    p, status = run_swarm(procs, run_dir, corpus + TINY + [
+        "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "trainers.in_flight=4",
+        "training.max_steps=30"])
+    s = wait_status(status, p, lambda s: s["stages"]["body-1"]["step"] >= 6)
+    victim = next(n for n in s["nodes"] if n["name"] == "worker-body-1-0")
+    os.killpg(victim["pid"], signal.SIGKILL)  # the whole node: python, its DHT process and p2pd
+    r = finish(p, run_dir)
+    assert r["steps"] == 30 and r["completed"]
+    assert r["samples_lost"] == 0
+    body = by_stage(r)["body-1"]
+    assert body["bans"] >= 1 and body["retries"] >= 1
+    assert r["exit_codes"]["worker-body-1-0"] == -signal.SIGKILL
+    survivors = [w for w in r["workers"] if w["stage"] == "body-1" and not w.get("killed")]
+    assert len(survivors) == 1 and survivors[0]["step"] == 30
+    assert r["samples_completed"] == r["samples_dispatched"]
+
+
+def test_worker_added_mid_run_gets_work_within_the_discovery_period(corpus, procs, tmp_path):
+    """A worker started by hand (--stage auto) joins the least replicated stage and is routed work within
+    trainers.discovery_period_s; Ctrl-C then stops the swarm and every process it started."""
+    run_dir = tmp_path / "run"
+    values = corpus + TINY + ["local.workers_per_stage=1", "local.trainers=1", "trainers.count=1",
+                              "training.max_steps=100000"]
+    p, status = run_swarm(procs, run_dir, values)
+    s = wait_status(status, p, lambda s: s["step"] >= 2)
+    stats = tmp_path / "newcomer.json"
+    joiner = procs.start(agoractl("launch", "worker", str(MANIFEST), *sets(values), "--stage", "auto",
+                                  "--initial-peers", s["maddrs"][0], "--stats", str(stats)),
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "newcomer.err", "wb"))
+    s = wait_status(status, p, lambda s: s["stages"]["head"]["live"] == 2, timeout=240)
+    time.sleep(2 * 2 + 1)  # two discovery periods: it has been routed work by now
+    joiner.send_signal(signal.SIGTERM)
+    joiner.wait(60)
+    w = json.loads(stats.read_text())
+    assert w["stage"] == "head"  # auto: the fewest live replicas, ties to the earliest stage
+    assert w["first_request"] is not None and w["backward_samples"] > 0
+    assert w["first_request"] - w["announced"] <= 2 + 1.0  # discovery_period_s, plus slack for the call
+    p.send_signal(signal.SIGINT)  # Ctrl-C
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130
+    report = json.loads((run_dir / "swarm-report.json").read_text())
+    assert report["interrupted"] and not report["completed"]
+    for n in json.loads(status.read_text())["nodes"]:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(n["pid"], 0)  # nothing left of any node: python, DHT process, p2pd
+
+
+def test_pure_pipeline_matches_the_centralized_reference(corpus, procs, tmp_path):
+    """One worker per stage, one trainer: after the same tokens the loss is within 3% of launch central's
+    (same seed, same data)."""
+    values = corpus + TINY + ["local.workers_per_stage=1", "local.trainers=1", "trainers.count=1",
+                              "training.max_steps=30"]
+    run_dir = tmp_path / "run"
+    central = subprocess.run(agoractl("launch", "central", str(MANIFEST), *sets(values + [f"local.run_dir={run_dir}"]),
+                                      "--json"), capture_output=True, text=True, timeout=300)
+    assert central.returncode == 0, central.stderr
+    c = json.loads(central.stdout)
+    p, _ = run_swarm(procs, run_dir, values)
+    r = finish(p, run_dir)
+    assert r["steps"] == c["steps"] == 30 and r["tokens"] == c["tokens"]
+    assert abs(r["final_loss"] - c["final_loss"]) / c["final_loss"] < 0.03, (r["final_loss"], c["final_loss"])
+    assert len(r["loss"]) == 30 and [s for s, _ in r["loss"]] == list(range(30))
