@@ -42,6 +42,7 @@ def steps(manifest: Path) -> list[list[str]]:
         ["manifest", "plan", m],
         *__import__("agoractl.cli.data", fromlist=["demo_steps"]).demo_steps(manifest),
         ["launch", "central", m, "--set", "training.max_steps=20"],
+        ["launch", "swarm", m, "--set", "training.max_steps=20"],
         ["simulate", m, "--scenario", "fgdiloco", "--rounds", "4", "--inner-steps", "4", "--set", "model.seq_len=64"],
     ]
 
