@@ -226,7 +226,11 @@ class Trainers(Section):
     shards_per_trainer: int = Field(3, gt=0)
     """Data shards assigned to each trainer (report §5.1.0.2: 3)."""
     in_flight: int = Field(2, gt=0)
-    """Samples each trainer keeps in flight (concurrent pipelines)."""
+    """Microbatches each trainer keeps in flight (concurrent pipelines)."""
+    microbatch: int = Field(1, gt=0)
+    """Samples per request a trainer sends (report §3.3.1.3: 1, so any worker can serve any request and
+    workers coalesce what queues up). Raise it where per-request overhead outweighs compute (a tiny model
+    on one machine); keep it at most workers.max_microbatch."""
     discovery_period_s: float = Field(30.0, gt=0)
     """Seconds between DHT look-ups of each stage's workers (report §3.3.2.2: ~30)."""
     ban_s: float = Field(60.0, ge=0)

@@ -35,6 +35,9 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
             initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
             host_maddrs=list(run.network.host_maddrs), announce_maddrs=list(run.network.announce_maddrs) or None,
             startup_timeout=run.network.startup_timeout_s, await_ready=True,
+            # The run's records are short-lived and always read fresh (latest=True): re-fetching cached
+            # values before they expire, and pushing found values onto other nodes, only doubles traffic.
+            cache_refresh_before_expiry=0, cache_nearest=0,
         )
     except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
         where = f"joining {', '.join(initial_peers)}" if initial_peers else "starting a new DHT"

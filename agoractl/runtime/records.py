@@ -123,17 +123,19 @@ class RunRecords:
     def __init__(self, dht, run_name: str, timeout_s: float = 10.0):
         self.dht, self.run, self.timeout_s = dht, run_name, timeout_s
 
-    def _store(self, key: str, value, ttl_s: float, subkey: str) -> bool:
-        return bool(self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey,
-                                   return_future=True).result(self.timeout_s))
+    def _store(self, key: str, value, ttl_s: float, subkey: str, wait: bool = True):
+        """True when stored; with ``wait=False`` the pending future instead (stores take a DHT traversal:
+        a caller that must not block — a worker's progress — checks the future later)."""
+        future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
+        return bool(future.result(self.timeout_s)) if wait else future
 
     def _get(self, key: str):
         return self.dht.get(key, latest=True, return_future=True).result(self.timeout_s)
 
     # -- workers ------------------------------------------------------------------------------
 
-    def announce_worker(self, record: WorkerRecord, ttl_s: float) -> bool:
-        return self._store(workers_key(self.run, record.stage), record.to_dict(), ttl_s, record.peer)
+    def announce_worker(self, record: WorkerRecord, ttl_s: float, wait: bool = True):
+        return self._store(workers_key(self.run, record.stage), record.to_dict(), ttl_s, record.peer, wait)
 
     def withdraw_worker(self, stage: str, peer: str) -> None:
         """Mark the worker gone at once (an explicit None), rather than waiting for expiry."""
@@ -150,9 +152,10 @@ class RunRecords:
 
     # -- stage progress -----------------------------------------------------------------------
 
-    def publish_progress(self, stage: str, peer: str, step: int, total: int, ttl_s: float) -> bool:
+    def publish_progress(self, stage: str, peer: str, step: int, total: int, ttl_s: float, wait: bool = True):
         """A replica's step and cumulative samples (:class:`~agoractl.runtime.progress.PeerProgress`)."""
-        return self._store(progress_key(self.run, stage), {"step": int(step), "total": int(total)}, ttl_s, peer)
+        return self._store(progress_key(self.run, stage), {"step": int(step), "total": int(total)}, ttl_s, peer,
+                           wait)
 
     def stage_progress(self, stage: str) -> dict[str, PeerProgress]:
         found = self._get(progress_key(self.run, stage))

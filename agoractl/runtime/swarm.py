@@ -6,7 +6,7 @@ group, logging to ``<run_dir>/swarm/logs/`` — waits for readiness through the 
 sleeping), watches the run (live on a terminal: step, loss, tokens/s, live workers per stage), and
 stops every process it started when the trainers finish, on error and on Ctrl-C. Nodes write their
 final stats to ``<run_dir>/swarm/nodes/``; the run report goes to ``<run_dir>/swarm-report.json``
-(:mod:`agoractl.runtime.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every second:
+(:mod:`agoractl.runtime.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every two seconds:
 the seed's multiaddrs, every node's pid, and the stages' progress (what a script needs to join or
 fault-inject a running swarm).
 """
@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from agoractl import storage
 from agoractl.cli.output import note
-from agoractl.errors import RuntimeFailure
+from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
@@ -36,6 +36,8 @@ from agoractl.runtime.report import write_report
 from agoractl.runtime.swarm_report import aggregate
 
 REPORT_FILE = "swarm-report.json"
+STATUS_S = 2.0
+"""Seconds between looks at the DHT for live progress (and rewrites of status.json)."""
 STOP_GRACE_S = 15.0
 
 
@@ -151,20 +153,22 @@ class Swarm:
         return [a for m in self.maddrs for a in ("--initial-peers", m)]
 
     def stop_all(self) -> None:
-        """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order),
+        """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order) —
+        trainers first, so their in-flight samples finish on live workers, then workers and the seed —
         then SIGKILL each node's whole process group, whatever is left of it after the grace period."""
-        alive = [n for n in self.nodes if n.poll() is None]
-        for n in alive:
-            try:
-                n.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        for n in alive:
-            try:
-                n.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        for kinds in (("trainer",), ("worker", "dht")):
+            alive = [n for n in self.nodes if n.kind in kinds and n.poll() is None]
+            for n in alive:
+                try:
+                    n.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            for n in alive:
+                try:
+                    n.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         for n in self.nodes:  # the group too: DHT children and p2pd of a node killed earlier
             _signal_group(n.proc.pid, signal.SIGKILL)
             n.poll()
@@ -241,9 +245,20 @@ class Swarm:
         """Check the data before starting anything (a missing shard index fails here, in one line), make
         sure the shard ledger exists (trainers would race to create it), and reset the swarm directory."""
         from agoractl.data.index import read_index
+        from agoractl.data.ledger import read_ledger
         from agoractl.data.stream import LedgerFile
 
+        if self.run.local.trainers > self.run.trainers.count:
+            raise UsageError(f"local.trainers ({self.run.local.trainers}) exceeds trainers.count "
+                             f"({self.run.trainers.count}): the shard ledger has shards for trainers.count trainers",
+                             hint="set trainers.count to at least local.trainers")
         LedgerFile(self.run, read_index(self.run.data.output))
+        ledger = read_ledger(self.run.data.output)
+        missing = [i for i in range(self.run.local.trainers) if ledger is None or ledger.trainer(i) is None]
+        if missing:
+            raise RuntimeFailure(f"{self.run.data.output}/ledger.json assigns no shards to trainer(s) "
+                                 f"{', '.join(map(str, missing))} (it was made for fewer trainers)",
+                                 hint="run `agoractl rotate-shards FILE` with this manifest, or shard afresh")
         for sub in ("logs", "nodes"):
             shutil.rmtree(self.dir / sub, ignore_errors=True)
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
@@ -291,7 +306,7 @@ class Swarm:
         last_status = 0.0
         while True:
             done = [t for t in trainers if t.poll() is not None]
-            if time.monotonic() - last_status >= 1.0 or len(done) == len(trainers):
+            if time.monotonic() - last_status >= STATUS_S or len(done) == len(trainers):
                 last_status = time.monotonic()
                 self.observe()
                 status = self.status()
@@ -350,7 +365,8 @@ def _read_json(path: Optional[Path]) -> Optional[dict]:
 
 def _worker_summary(w: dict) -> dict:
     keys = ("peer", "stage", "step", "samples", "backward_samples", "forward_samples", "max_coalesced",
-            "coalesced_sum", "batches", "compute_s", "idle_s", "throughput", "first_request", "started", "cpu_s", "cpu_at_ready_s",
+            "role", "phase", "phases", "join", "sparta", "termination",
+            "coalesced_sum", "batches", "compute_s", "idle_s", "throughput", "first_request", "started", "cpu_s", "cpu_at_ready_s", "cpu_at_first_request_s",
             "killed")
     return {k: w[k] for k in keys if k in w}
 

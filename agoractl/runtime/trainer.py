@@ -9,7 +9,8 @@ worker is gone (the call fails) does the backward fall back to another replica, 
 the forward under its own weights; fallbacks are counted. A failed forward is re-sent to another
 replica (up to ``trainers.retries`` times); a failed worker is banned for ``trainers.ban_s``. A
 sample that runs out of retries, or finds no replica, is counted as lost — every dispatched sample
-ends completed or lost. ``trainers.in_flight`` samples travel at once (concurrent pipelines).
+ends completed or lost. ``trainers.in_flight`` requests travel at once (concurrent pipelines), each
+carrying ``trainers.microbatch`` samples (1 by default, as in the report: workers coalesce).
 
 Tensors on the wire are what the workers send: SSN coordinates (k per token) when ``model.ssn`` is
 set, never a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records
@@ -37,8 +38,8 @@ from agoractl.runtime.balancer import Balancer
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.transport import StageClient
 
-PUBLISH_S = 1.0
-"""Seconds between the trainer's DHT records (and live progress)."""
+PUBLISH_S = 2.0
+"""Seconds between the trainer's DHT records (the swarm's live progress)."""
 DATA_REPORT_S = 10.0
 """Seconds between reports of data consumption to the shard ledger's progress files."""
 
@@ -125,11 +126,11 @@ class Trainer:
             await asyncio.gather(*(self.discover(s) for s in self.stages))
             await asyncio.sleep(self.t.discovery_period_s)
 
-    async def _choose(self, stage: str, exclude: set[str]) -> Optional[str]:
+    async def _choose(self, stage: str, exclude: set[str], task_size: float = 1.0) -> Optional[str]:
         """A worker for `stage`, waiting for discovery (up to request_timeout_s) when none is available."""
         deadline = time.monotonic() + self.t.request_timeout_s
         while True:
-            peer = self.balancers[stage].choose(time.monotonic(), 1.0, exclude)
+            peer = self.balancers[stage].choose(time.monotonic(), task_size, exclude)
             if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
                 return peer
             if time.monotonic() - self._last_discovery[stage] > 1.0:
@@ -147,7 +148,7 @@ class Trainer:
         t0 = time.monotonic()
         out, meta = await self.client.call(peer, stage, method, tensors, {"trainer": self.index},
                                            timeout=self.t.request_timeout_s)
-        self.balancers[stage].record_success(peer, 1.0, time.monotonic() - t0)
+        self.balancers[stage].record_success(peer, float(tensors["ids"].shape[0]), time.monotonic() - t0)
         if "step" in meta:
             self.seen_step[stage] = max(self.seen_step[stage], int(meta["step"]))
         return out, meta
@@ -157,7 +158,7 @@ class Trainer:
         run out or no replica is available. Every re-send after a failure counts as a retry."""
         tried = set(exclude)
         for attempt in range(self.t.retries + 1):
-            peer = await self._choose(stage, tried)
+            peer = await self._choose(stage, tried, float(tensors["ids"].shape[0]))
             if peer is None:
                 return None
             if attempt > 0 or exclude:
@@ -184,23 +185,26 @@ class Trainer:
 
     # -- one sample ---------------------------------------------------------------------------
 
-    def _lose(self, stage: str, direction: str) -> bool:
-        self.stats.lost += 1
+    def _lose(self, stage: str, direction: str, n: int) -> bool:
+        self.stats.lost += n
         key = f"{stage}/{direction}"
-        self.stats.lost_at[key] = self.stats.lost_at.get(key, 0) + 1
-        self.log.warning("sample lost", stage=stage, direction=direction)
+        self.stats.lost_at[key] = self.stats.lost_at.get(key, 0) + n
+        self.log.warning("samples lost", stage=stage, direction=direction, samples=n)
         return False
 
-    async def run_sample(self, sample: torch.Tensor) -> bool:
-        """Forward through every stage, the tail's fused loss and backward, then the pinned backward."""
-        ids = sample.to(torch.int32).reshape(1, -1)
+    async def run_sample(self, samples: torch.Tensor) -> bool:
+        """Forward through every stage, the tail's fused loss and backward, then the pinned backward.
+
+        `samples`: one sample [seq_len+1] or a microbatch [m, seq_len+1] (trainers.microbatch)."""
+        ids = samples.to(torch.int32).reshape(-1, samples.shape[-1])
+        n = ids.shape[0]
         path: list[str] = []
         inputs: list[Optional[torch.Tensor]] = []
         wire: Optional[torch.Tensor] = None
         for stage in self.stages[:-1]:
             result = await self._dispatch(stage, "forward", {"ids": ids, **({"wire": wire} if wire is not None else {})})
             if result is None:
-                return self._lose(stage, "forward")
+                return self._lose(stage, "forward", n)
             peer, out, _ = result
             path.append(peer)
             inputs.append(wire)
@@ -208,20 +212,20 @@ class Trainer:
         tail = self.stages[-1]
         result = await self._dispatch(tail, "forward_backward", {"ids": ids, "wire": wire})
         if result is None:
-            return self._lose(tail, "forward_backward")
+            return self._lose(tail, "forward_backward", n)
         _, out, meta = result
-        loss, grad = float(out["loss"].reshape(-1)[0]), out["grad"]
+        losses, grad = out["loss"].reshape(-1).tolist(), out["grad"]
         step = int(meta.get("step", 0))
         entry = self.stats.loss.setdefault(step, [0.0, 0])
-        entry[0] += loss
-        entry[1] += 1
-        self._recent_loss.append(loss)
+        entry[0] += sum(losses)
+        entry[1] += len(losses)
+        self._recent_loss.extend(losses)
         for i in reversed(range(len(self.stages) - 1)):
             stage = self.stages[i]
             tensors = {"ids": ids, "grad": grad, **({"wire": inputs[i]} if inputs[i] is not None else {})}
             result = await self._backward(stage, path[i], tensors)
             if result is None:
-                return self._lose(stage, "backward")
+                return self._lose(stage, "backward", n)
             grad = result[1].get("grad")
         return True
 
@@ -234,26 +238,32 @@ class Trainer:
             self._stream = trainer_stream(self.run, self.index)
         return self._stream
 
-    async def _next_sample(self) -> Optional[torch.Tensor]:
-        return await asyncio.get_running_loop().run_in_executor(self._data_pool, next, self._stream, None)
+    def _draw(self) -> Optional[torch.Tensor]:
+        """The next microbatch of trainers.microbatch samples [m, seq_len+1] (fewer at the end of the data)."""
+        drawn = [s for s in (next(self._stream, None) for _ in range(self.t.microbatch)) if s is not None]
+        return torch.stack(drawn) if drawn else None
+
+    async def _next_samples(self) -> Optional[torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
 
     async def _pipeline(self) -> None:
         while not self.stop.is_set() and not self.finished():
-            sample = await self._next_sample()
-            if sample is None:
+            batch = await self._next_samples()
+            if batch is None:
                 self.stats.finished_reason = self.stats.finished_reason or "data exhausted"
                 return
             if self.finished() or self.stop.is_set():
-                return  # drawn but never dispatched: not a lost sample
-            self.stats.dispatched += 1
+                return  # drawn but never dispatched: not lost samples
+            n = batch.shape[0]
+            self.stats.dispatched += n
             self.stats.first_dispatch = self.stats.first_dispatch or time.time()
-            self.in_flight += 1
+            self.in_flight += n
             try:
-                if await self.run_sample(sample):
-                    self.stats.completed += 1
+                if await self.run_sample(batch):
+                    self.stats.completed += n
                     self.stats.last_completion = time.time()
             finally:
-                self.in_flight -= 1
+                self.in_flight -= n
 
     def record(self, done: bool = False) -> TrainerRecord:
         recent, self._recent_loss = self._recent_loss, []
@@ -306,7 +316,7 @@ class Trainer:
         self.client = StageClient(await self.dht.replicate_p2p(), self.run.metadata.name)
         await self._wait_for_stages()
         self.cpu_at_start = node.cpu_seconds()
-        self.log.info("trainer starts", in_flight=self.t.in_flight)
+        self.log.info("trainer starts", in_flight=self.t.in_flight, microbatch=self.t.microbatch)
         background = [asyncio.create_task(self._discovery_loop()), asyncio.create_task(self._publish_loop())]
         try:
             await asyncio.gather(*(self._pipeline() for _ in range(self.t.in_flight)))

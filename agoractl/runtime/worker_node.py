@@ -15,6 +15,12 @@ Three threads:
 ``--stage auto`` joins the stage with the fewest live replicas (ties: the earliest stage). A worker
 that joins a running stage starts at the stage's current step. Once the stage reached
 ``training.max_steps`` and no request came for :data:`FINISHED_IDLE_S` seconds, the worker exits.
+
+With ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
+joining worker's state, runs its sync phases and the stage's averaging rounds (its own threads and
+averager process). Every worker runs the self-termination rules
+(:class:`~agoractl.runtime.termination.Monitor`) on its events: when one fires the worker stops and
+the process exits with the rule's code.
 """
 
 from __future__ import annotations
@@ -32,16 +38,16 @@ from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
+from agoractl.runtime.termination import Monitor, Termination
 from agoractl.runtime.transport import StageServicer, namespace
 from agoractl.runtime.worker import Task, Worker
 
 FINISHED_IDLE_S = 10.0
 """A worker whose stage finished exits after this many seconds without requests."""
-PROGRESS_FETCH_S = (0.1, 1.0)
-"""Seconds between fetches of the stage's progress: with peers, alone."""
-PROGRESS_PUBLISH_S = (0.1, 1.0)
-"""Least seconds between publications of a changed sample count: with peers, alone (a new step is
-published at once)."""
+PROGRESS_PEERS_S = 0.1
+"""With replicas in the stage: seconds between fetches of their progress, and least seconds between
+publications of a changed sample count (a new step is published at once). Alone, both happen once per
+announce period: only newcomers read the record then."""
 
 
 def choose_stage(live: dict[str, int], order: Sequence[str]) -> str:
@@ -79,8 +85,19 @@ class WorkerNode:
         if joined_at:
             self.log.info("joining a running stage", stage=stage, step=joined_at)
         self.worker = Worker(run, index, device, step=joined_at, phase=phase, role=role)
+        self.termination: Optional[Termination] = None
+        """The self-termination rule that fired (report §3.3.1.6), if one did."""
+        self.monitor = Monitor(run.workers.self_termination, self._terminate)
+        self.worker.listeners.append(self.monitor)
+        self.sparta = None
+        if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
+            from agoractl.runtime.sparta_worker import SpartaWorker
+
+            self.sparta = SpartaWorker(run, self.worker, self.dht, self.records, self.peer)
+            self.sparta.join(joined_at)
         self.started = time.time()
         self.cpu_at_ready: dict = {}
+        self.cpu_at_first_request: Optional[dict] = None
         self.dht_calls: dict[str, list] = {}
         """{DHT call: [count, seconds]}, for profiles."""
         self.announced: Optional[float] = None
@@ -89,6 +106,11 @@ class WorkerNode:
         self._served_ready = threading.Event()
         self._serve_error: Optional[BaseException] = None
         logs.bind(run=run.metadata.name, role="worker", stage=stage, peer=self.peer[-8:])
+
+    def _terminate(self, termination: Termination) -> None:
+        """A self-termination rule fired: stop serving; the caller exits with the rule's code."""
+        self.termination = termination
+        self.stop.set()
 
     # -- connection handler -------------------------------------------------------------------
 
@@ -157,31 +179,67 @@ class WorkerNode:
             return None
 
     def _sync(self) -> None:
+        """Announce, publish progress, fetch the peers' progress. Stores do not block the loop (a DHT store
+        is a traversal, hundreds of milliseconds on a loaded machine): one of each kind is in flight at most."""
         progress, ttl = self.worker.progress, 3 * self.period
         next_announce = next_fetch = last_publish = 0.0
         last_published = None
+        pending: dict[str, tuple] = {}  # kind -> (future, started, on success)
+
+        def settle() -> None:
+            for kind, (future, started, on_success) in list(pending.items()):
+                if not future.done():
+                    if time.monotonic() - started > self.records.timeout_s:
+                        future.cancel()
+                        del pending[kind]
+                        self.worker.emit("dht", ok=False, time=time.monotonic(), error=f"{kind} timed out")
+                    continue
+                del pending[kind]
+                try:
+                    ok = future.result()
+                except Exception as e:
+                    self.worker.emit("dht", ok=False, time=time.monotonic(), error=f"{type(e).__name__}: {e}")
+                    continue
+                self.worker.emit("dht", ok=True, time=time.monotonic())
+                calls = self.dht_calls.setdefault(kind, [0, 0.0])
+                calls[0] += 1
+                calls[1] += time.monotonic() - started
+                if ok and on_success is not None:
+                    on_success()
+
+        def store(kind: str, fn, *args, on_success=None) -> None:
+            try:
+                pending[kind] = (fn(*args, wait=False), time.monotonic(), on_success)
+            except Exception as e:
+                self.worker.emit("dht", ok=False, time=time.monotonic(), error=f"{type(e).__name__}: {e}")
+
+        def announced() -> None:
+            if self.announced is None:
+                self.announced = time.time()
+
         while not self.stop.is_set():
+            settle()
+            if self.cpu_at_first_request is None and self.worker.stats.first_request is not None:
+                self.cpu_at_first_request = node.cpu_seconds()  # profiles count from the first request
             now = time.monotonic()
-            if now >= next_announce:
-                if self._dht_call(self.records.announce_worker, self.record(), ttl) and self.announced is None:
-                    self.announced = time.time()
+            if now >= next_announce and "announce" not in pending:
+                store("announce", self.records.announce_worker, self.record(), ttl, on_success=announced)
                 next_announce = now + self.period
             mine = (progress.step, progress.total)
             # Peers need our count soon (they step on it); alone, only newcomers read it (for the step).
-            publish_every = PROGRESS_PUBLISH_S[0 if progress.peers else 1]
+            publish_every = PROGRESS_PEERS_S if progress.peers else self.period
             due = (last_published is None or mine[0] != last_published[0]  # a new step: at once
                    or (mine != last_published and now - last_publish >= publish_every)
                    or now - last_publish >= self.period)  # refresh before the record expires
-            if due:
-                last_publish = now
-                if self._dht_call(self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl):
-                    last_published = mine
+            if due and "progress" not in pending:
+                last_publish, last_published = now, mine
+                store("progress", self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl)
             if now >= next_fetch:
                 peers = self._dht_call(self.records.stage_progress, self.stage)
                 if peers is not None:
                     peers.pop(self.peer, None)
                     progress.observe(peers)
-                next_fetch = now + PROGRESS_FETCH_S[0 if progress.peers else 1]
+                next_fetch = time.monotonic() + (PROGRESS_PEERS_S if progress.peers else self.period)
             self.worker.progress_changed.wait(0.05)
             self.worker.progress_changed.clear()
 
@@ -199,6 +257,9 @@ class WorkerNode:
             raise self._serve_error
         sync = threading.Thread(target=self._sync, name="dht-sync", daemon=True)
         sync.start()
+        self.monitor.start(self.stop)
+        if self.sparta is not None:
+            self.sparta.start()
         self.cpu_at_ready = node.cpu_seconds()
         self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
                       peer=self.peer, pid=os.getpid())
@@ -214,9 +275,12 @@ class WorkerNode:
             self.stop.set()
             self.worker.fail_pending(RuntimeError(f"worker of stage {self.stage} is shutting down"))
             sync.join(timeout=5)
+            if self.sparta is not None:
+                self.sparta.shutdown()
             self._dht_call(self.records.withdraw_worker, self.stage, self.peer)
             server.join(timeout=5)
-            stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_ready_s": self.cpu_at_ready}
+            stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_ready_s": self.cpu_at_ready,
+                     "cpu_at_first_request_s": self.cpu_at_first_request}
             node.write_stats(self.stats_path, stats)
             node.shutdown_dht(self.dht)
         return stats
@@ -226,4 +290,6 @@ class WorkerNode:
 
         return {"kind": "worker", "peer": self.peer, "stage": self.stage, "pid": os.getpid(),
                 "phase": self.worker.phase, "role": self.worker.role, "step": self.worker.progress.step,
-                "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats)}
+                "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats),
+                "termination": self.termination.as_dict() if self.termination else None,
+                **(self.sparta.summary() if self.sparta is not None else {})}

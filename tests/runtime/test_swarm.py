@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.swarm
 MANIFEST = MANIFESTS / "local-cpu.yaml"
 TINY = ["model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8",
         "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
-        "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=90"]
+        "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=90",
+        "trainers.microbatch=1",  # single-sample requests, as in the report: what merges is the workers' doing
+        "data_parallel.method=none"]  # the pipeline alone; averaging is tested in test_sparta_swarm.py
 
 
 def agoractl(*args: str) -> list[str]:
@@ -36,15 +39,23 @@ def sets(values) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> list[str]:
-    """The sample corpus, sharded: the --set values that point a run at it."""
+def sharded(tmp_path_factory) -> Path:
+    """The sample corpus, sharded once per module; returns the directory holding sample/ and shards/."""
     root = tmp_path_factory.mktemp("corpus")
     subprocess.run(agoractl("data", "sample", "--out", str(root / "sample"), "--rows", "2000", "--files", "2",
                             "--json"), check=True, capture_output=True, timeout=300)
     data = [f"data.source={root / 'sample'}/*.parquet", f"data.output={root / 'shards'}", "data.num_shards=4"]
     subprocess.run(agoractl("shard", str(MANIFEST), *sets(data), "--json"), check=True, capture_output=True,
                    timeout=300)
-    return data
+    return root
+
+
+@pytest.fixture
+def corpus(sharded, tmp_path) -> list[str]:
+    """A private copy of the shards (its own ledger, sized by the test's trainers.count): the --set values
+    that point a run at it."""
+    shutil.copytree(sharded / "shards", tmp_path / "shards", ignore=shutil.ignore_patterns("ledger.json", "progress"))
+    return [f"data.source={sharded / 'sample'}/*.parquet", f"data.output={tmp_path / 'shards'}", "data.num_shards=4"]
 
 
 class Procs:
@@ -201,6 +212,7 @@ def test_worker_added_mid_run_gets_work_within_the_discovery_period(corpus, proc
     assert p.returncode == 130
     report = json.loads((run_dir / "swarm-report.json").read_text())
     assert report["interrupted"] and not report["completed"]
+    assert report["samples_lost"] == 0  # trainers stop first: their in-flight samples finish on live workers
     for n in json.loads(status.read_text())["nodes"]:
         with pytest.raises(ProcessLookupError):
             os.killpg(n["pid"], 0)  # nothing left of any node: python, DHT process, p2pd
