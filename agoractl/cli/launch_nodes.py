@@ -65,15 +65,34 @@ def worker(
 ) -> None:
     """One worker: a replica of one stage, serving forward and backward requests (report §3.3.1) until the
     stage reaches training.max_steps and falls idle, or Ctrl-C / SIGTERM."""
+    run = load(manifest, set_)
+    # Checked before importing the runtime (hivemind and torch take seconds to import).
+    if stage != "auto" and stage not in run.stage_names():
+        raise UsageError(f"--stage {stage}: no such stage; stages are {', '.join(run.stage_names())} (or auto)")
+    if role not in ("operator", "contributor"):
+        raise UsageError(f"--role {role}: choose operator or contributor")
+    from agoractl.runtime import node
+
+    node.require_peers(initial_peers or run.network.initial_peers, "worker")
     from agoractl.runtime.worker_node import WorkerNode
 
-    run = load(manifest, set_)
     _threads(run)
     result = WorkerNode(run, stage, initial_peers or run.network.initial_peers, role=role, device=device,
                         stats_path=stats).serve()
     emit({k: result[k] for k in ("stage", "peer", "step", "forward_samples", "backward_samples", "max_coalesced")},
          as_json, lambda r: stdout.print(f"worker of {r['stage']}: step {r['step']}, {r['backward_samples']} "
                                          f"samples, coalesced up to {r['max_coalesced']}"))
+    if result.get("termination"):
+        _self_terminated(result["termination"])
+
+
+def _self_terminated(termination: dict) -> None:
+    """One final log line naming the rule, then the rule's exit code (report §3.3.1.6)."""
+    from agoractl import logs
+
+    logs.get("worker").error("self-termination", rule=termination["rule"], exit_code=termination["exit_code"],
+                             message=termination["message"])
+    raise typer.Exit(termination["exit_code"])
 
 
 @app.command(epilog="Example:\n\n  agoractl launch trainer manifests/local-cpu.yaml --index 0 "

@@ -20,14 +20,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from hivemind.utils import get_dht_time
-
 from agoractl.runtime.progress import PeerProgress
 
 PHASES = ("weight_sync", "optimizer_sync", "active")
 """Worker phases (report §3.3.1.1): weight sync is invisible to trainers, the other two serve."""
 SERVING_PHASES = ("optimizer_sync", "active")
 ROLES = ("operator", "contributor")
+
+
+def get_dht_time() -> float:
+    """hivemind's clock (imported on use: hivemind pulls in torch, and this module is imported early)."""
+    from hivemind.utils import get_dht_time as now
+
+    return now()
 
 
 def workers_key(run: str, stage: str) -> str:

@@ -246,13 +246,15 @@ class Swarm:
         sure the shard ledger exists (trainers would race to create it), and reset the swarm directory."""
         from agoractl.data.index import read_index
         from agoractl.data.ledger import read_ledger
-        from agoractl.data.stream import LedgerFile
 
         if self.run.local.trainers > self.run.trainers.count:
             raise UsageError(f"local.trainers ({self.run.local.trainers}) exceeds trainers.count "
                              f"({self.run.trainers.count}): the shard ledger has shards for trainers.count trainers",
                              hint="set trainers.count to at least local.trainers")
-        LedgerFile(self.run, read_index(self.run.data.output))
+        index = read_index(self.run.data.output)
+        from agoractl.data.stream import LedgerFile  # imports torch: after the cheap checks
+
+        LedgerFile(self.run, index)
         ledger = read_ledger(self.run.data.output)
         missing = [i for i in range(self.run.local.trainers) if ledger is None or ledger.trainer(i) is None]
         if missing:

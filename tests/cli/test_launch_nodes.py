@@ -1,0 +1,42 @@
+"""`agoractl launch dht|worker|trainer|swarm`: bad input gives one line naming the problem and the fix,
+with exit code 2 (usage) or 1 (runtime). Real subprocesses; the swarm itself is tested in
+tests/runtime/test_swarm.py."""
+
+from __future__ import annotations
+
+from tests.conftest import MANIFESTS
+
+MANIFEST = str(MANIFESTS / "local-cpu.yaml")
+
+
+def one_error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    return errors[0]
+
+
+def test_worker_rejects_an_unknown_stage_and_a_missing_dht(cli):
+    proc = cli("launch", "worker", MANIFEST, "--stage", "nope", check=2)
+    assert "--stage nope" in one_error_line(proc.stderr) and "head, body-1, tail" in proc.stderr
+    proc = cli("launch", "worker", MANIFEST, "--stage", "head", check=2)
+    assert "--initial-peers" in one_error_line(proc.stderr) and "agoractl launch dht" in proc.stderr
+
+
+def test_worker_reports_an_unreachable_dht_in_one_line(cli):
+    proc = cli("launch", "worker", MANIFEST, "--stage", "auto", "--initial-peers",
+               "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWA8vgwVz2TDUV5wNfkRU2rLt6E5Phgkn2fMnbTvZ8w81b", check=1)
+    assert "DHT" in one_error_line(proc.stderr) and "hint:" in proc.stderr
+
+
+def test_trainer_index_must_be_in_the_ledger(cli):
+    proc = cli("launch", "trainer", MANIFEST, "--index", "7", "--initial-peers", "/ip4/127.0.0.1/tcp/1", check=2)
+    assert "trainers.count" in one_error_line(proc.stderr)
+
+
+def test_swarm_checks_the_data_before_starting_anything(cli, tmp_path):
+    proc = cli("launch", "swarm", MANIFEST, "--set", f"data.output={tmp_path}/none",
+               "--set", f"local.run_dir={tmp_path}/run", check=1)
+    assert "index.json" in one_error_line(proc.stderr) and "agoractl shard" in proc.stderr
+    assert not (tmp_path / "run" / "swarm" / "logs").exists() or not any((tmp_path / "run" / "swarm" / "logs").iterdir())
+    proc = cli("launch", "swarm", MANIFEST, "--set", "local.trainers=3", "--set", "trainers.count=2", check=2)
+    assert "local.trainers" in one_error_line(proc.stderr)
