@@ -12,8 +12,8 @@ record the swarm saw of it in the DHT. Pure: dicts in, dict out.
   central reference does not count building its model).
 - ``loss``: [step, mean loss of the samples the tail counted toward that step], merged over trainers.
 - ``samples_lost``: samples trainers gave up on, plus the in-flight samples of trainers that died.
-- ``stages[]``: per stage ``workers_seen``, ``samples`` (backward passes served), ``max_coalesced``,
-  ``retries``, ``bans`` and ``backward_fallbacks`` (summed over trainers).
+- ``stages[]``: per stage ``workers_seen``, ``samples`` (backward passes served), ``max_coalesced``
+  and ``mean_coalesced``, ``retries``, ``bans`` and ``backward_fallbacks`` (summed over trainers).
 """
 
 from __future__ import annotations
@@ -28,6 +28,21 @@ def _stage_completion(workers: list[dict], stage: str, step_index: int) -> Optio
     """Wall time at which the first replica of `stage` took optimizer step `step_index` (0-based)."""
     times = [t for w in workers if w.get("stage") == stage for s, t, *_ in w.get("steps", []) if s == step_index]
     return min(times) if times else None
+
+
+def _averaging(workers: list[dict]) -> dict[str, Any]:
+    """A stage's SPARTA health from its workers' round records (report §5.7.1)."""
+    from agoractl.runtime.sparta_worker import round_summary
+
+    return round_summary([r for w in workers for r in w.get("rounds", [])])
+
+
+def _mean_coalesced(workers: list[dict]) -> Optional[float]:
+    """Samples per compute pass over a stage's workers (report §5.4.0.4: near 1 when the stage is starved,
+    near the cap when work piles up); None when unknown (only killed workers' records)."""
+    samples = sum(int(w.get("coalesced_sum", 0)) for w in workers)
+    passes = sum(sum(w.get("batches", {}).values()) for w in workers)
+    return round(samples / passes, 2) if passes else None
 
 
 def stage_steps(workers: list[dict], stage: str) -> int:
@@ -75,9 +90,11 @@ def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], los
             "steps": stage_steps(workers, s),
             "samples": sum(int(w.get("backward_samples", w.get("samples", 0))) for w in mine),
             "max_coalesced": max([0, *(int(w.get("max_coalesced", 0)) for w in mine)]),
+            "mean_coalesced": _mean_coalesced(mine),
             "retries": sum(int(c.get("retries", 0)) for c in counters),
             "bans": sum(int(c.get("bans", 0)) for c in counters),
             "backward_fallbacks": sum(int(c.get("backward_fallbacks", 0)) for c in counters),
+            **(_averaging(mine) if run.data_parallel.method == "sparta" else {}),
         })
     return run_report(
         mode="swarm", name=run.metadata.name, steps=steps, tokens=steps * batch * seq_len,
