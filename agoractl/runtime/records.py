@@ -142,9 +142,10 @@ class RunRecords:
     def announce_worker(self, record: WorkerRecord, ttl_s: float, wait: bool = True):
         return self._store(workers_key(self.run, record.stage), record.to_dict(), ttl_s, record.peer, wait)
 
-    def withdraw_worker(self, stage: str, peer: str) -> None:
-        """Mark the worker gone at once (an explicit None), rather than waiting for expiry."""
-        self._store(workers_key(self.run, stage), None, 60.0, peer)
+    def withdraw_worker(self, stage: str, peer: str, timeout_s: float = 2.0) -> None:
+        """Mark the worker gone at once (an explicit None), rather than waiting for expiry; waits at most
+        `timeout_s` (a departing worker does not linger for the DHT: the record expires anyway)."""
+        self._store(workers_key(self.run, stage), None, 60.0, peer, wait=False).result(timeout_s)
 
     def stage_workers(self, stage: str) -> dict[str, WorkerRecord]:
         found = self._get(workers_key(self.run, stage))

@@ -290,12 +290,8 @@ class Swarm:
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            self.stop_all()
+            self.stop_all()  # _watch took the last look at the DHT while the nodes were still up
             if self.dht is not None:
-                try:
-                    self.observe()
-                except Exception:
-                    pass
                 node.shutdown_dht(self.dht)
         report = self.report(fallback_elapsed_s=time.time() - (self.started_training or t_begin),
                              interrupted=interrupted)

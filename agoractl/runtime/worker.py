@@ -112,6 +112,7 @@ class Worker:
         self.events: collections.deque = collections.deque(maxlen=256)
         self._queues: dict[str, collections.deque] = {"forward": collections.deque(), "backward": collections.deque()}
         self._cond = threading.Condition()
+        self._closed: Optional[BaseException] = None
         self.progress_changed = threading.Event()
         """Set whenever the local (step, samples) changes, so the node publishes it."""
 
@@ -135,6 +136,9 @@ class Worker:
                                        f"{self.role_in_pipeline}"))
             return
         with self._cond:
+            if self._closed is not None:
+                task.done(None, self._closed)
+                return
             if self.stats.first_request is None:
                 self.stats.first_request = time.time()
             self._queues[QUEUE_OF[task.method]].append(task)
@@ -191,7 +195,9 @@ class Worker:
         self.fail_pending(RuntimeError(f"worker of stage {self.name} is shutting down"))
 
     def fail_pending(self, error: BaseException) -> None:
+        """Fail every queued request with `error`, and every later one: the worker is closing."""
         with self._cond:
+            self._closed = error
             tasks = [t for q in self._queues.values() for t in q]
             for q in self._queues.values():
                 q.clear()
@@ -227,7 +233,7 @@ class Worker:
             self.stats.forward_samples += n
         else:
             self.stats.backward_samples += n
-            self.progress.add(n)
+            self.progress.add(n, report=self.phase == "active")  # sync phases report no samples
             self.progress_changed.set()
         for t, r in zip(batch, results):
             r["step"] = self.progress.step  # the step this work counts toward (the trainer's loss curve)

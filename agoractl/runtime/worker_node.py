@@ -104,6 +104,8 @@ class WorkerNode:
         """Wall-clock time of the first successful announcement (when trainers can first see it)."""
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._served_ready = threading.Event()
+        self._serve_stop = threading.Event()
+        """Set once the worker withdrew from the DHT: the connection handler then stops listening."""
         self._serve_error: Optional[BaseException] = None
         logs.bind(run=run.metadata.name, role="worker", stage=stage, peer=self.peer[-8:])
 
@@ -145,9 +147,10 @@ class WorkerNode:
                 self._serve_error = e
                 self._served_ready.set()
                 self.stop.set()
+                self._serve_stop.set()
                 return
             self._served_ready.set()
-            while not self.stop.is_set():
+            while not self._serve_stop.is_set():
                 await asyncio.sleep(0.1)
             try:
                 await servicer.remove_p2p_handlers(p2p, namespace=namespace(self.run.metadata.name, self.stage))
@@ -272,12 +275,15 @@ class WorkerNode:
                     self.log.info("stage finished; worker exits", step=self.worker.progress.step)
                     break
         finally:
+            # Leave in order: refuse new work, withdraw the record, then stop listening, so that trainers
+            # get a clear error (and retry elsewhere) rather than a protocol the daemon no longer knows.
             self.stop.set()
             self.worker.fail_pending(RuntimeError(f"worker of stage {self.stage} is shutting down"))
+            self._dht_call(self.records.withdraw_worker, self.stage, self.peer)
+            self._serve_stop.set()
             sync.join(timeout=5)
             if self.sparta is not None:
                 self.sparta.shutdown()
-            self._dht_call(self.records.withdraw_worker, self.stage, self.peer)
             server.join(timeout=5)
             stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_ready_s": self.cpu_at_ready,
                      "cpu_at_first_request_s": self.cpu_at_first_request}
