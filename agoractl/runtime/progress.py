@@ -60,10 +60,12 @@ class StageProgress:
             self.peer_totals[peer] = max(self.peer_totals.get(peer, 0), int(p.total))
         self.peers = {peer: int(p.step) for peer, p in peers.items()}
 
-    def add(self, samples: int) -> None:
-        """This replica accumulated gradients of `samples` more samples."""
+    def add(self, samples: int, report: bool = True) -> None:
+        """This replica accumulated gradients of `samples` more samples; unless `report`, they do not
+        count toward the stage's batch (a worker in a sync phase, report §3.3.1.1)."""
         self.samples += int(samples)
-        self.total += int(samples)
+        if report:
+            self.total += int(samples)
 
     def stage_total(self) -> int:
         """This replica's view of the samples the stage has seen."""
