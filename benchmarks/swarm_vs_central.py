@@ -95,7 +95,8 @@ def main(argv=None) -> int:
         overrides = [f"trainers.microbatch={args.microbatch}"] + args.sets
         sets = [a for s in data + [f"local.run_dir={tmp}/run"] + overrides for a in ("--set", s)]
         # The central reference's CPU per training step: a full run minus a one-step run (start-up, imports).
-        one_step = agoractl("launch", "central", str(MANIFEST), *sets, "--set", "training.max_steps=1")
+        one_step = agoractl("launch", "central", str(MANIFEST), *sets, "--set", "training.max_steps=1",
+                            "--set", "training.schedule.warmup_steps=0")
         central, swarm = [], []
         for i in range(args.repeats):
             central.append(agoractl("launch", "central", str(MANIFEST), *sets))
