@@ -31,6 +31,8 @@ def _swarm_command_exists() -> bool:
 
 
 @pytest.mark.swarm
+@pytest.mark.xfail(reason="open line of issue 8: live SPARTA workers do not write replica snapshots yet "
+                          "(the issue-5 wiring of SpartaWorker snapshots is unfinished)", strict=False)
 def test_most_recently_averaged_segment_has_lowest_variance(cli, tmp_path):
     if not _swarm_command_exists():
         pytest.skip("needs `agoractl launch swarm` with SPARTA and replica snapshots (runtime + SPARTA issues)")
