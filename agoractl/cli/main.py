@@ -30,6 +30,7 @@ app.add_typer(__import__("agoractl.cli.data", fromlist=["app"]).app, name="data"
 app.command(name="shard")(__import__("agoractl.cli.shard", fromlist=["shard"]).shard)
 app.command(name="rotate-shards")(__import__("agoractl.cli.rotate", fromlist=["rotate_shards"]).rotate_shards)
 app.command(name="simulate")(__import__("agoractl.cli.simulate", fromlist=["simulate"]).simulate)
+app.add_typer(__import__("agoractl.cli.ops", fromlist=["app"]).app, name="ops")
 app.command(name="demo")(demo.demo)
 
 

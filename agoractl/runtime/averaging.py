@@ -115,6 +115,10 @@ class RoundRecord:
     duration_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    snapshot_sum: Optional[float] = None
+    """Sum of the values this peer sent (its snapshot of the segment)."""
+    average_sum: Optional[float] = None
+    """Sum of the averaged values it got back (where they came back): the same at every replica."""
     error: Optional[str] = None
 
     @property
@@ -286,7 +290,8 @@ class SpartaAverager(DecentralizedAverager):
         control = self.step(gather=dict(round=round_index, weight=float(weight)), weight=float(weight),
                             scheduled_time=get_dht_time() + window,
                             timeout=window + 2 * self.request_timeout_s + 5.0, wait=False)
-        return PendingRound(self, round_index, segment, n, float(weight), control, started)
+        return PendingRound(self, round_index, segment, n, float(weight), control, started,
+                            snapshot_sum=float(values.double().sum()))
 
     @property
     def request_timeout_s(self) -> float:
@@ -323,8 +328,10 @@ class SpartaAverager(DecentralizedAverager):
         # The group key carries the round, so only replicas averaging the same segment meet.
         mm = self._matchmaking
         mm.group_key_manager.group_bits = format(round_index % 256, "08b")
-        mm.target_group_size = mm.group_key_manager.target_group_size = group_size
-        mm.potential_leaders.target_group_size = group_size
+        mm.target_group_size = mm.potential_leaders.target_group_size = group_size
+        # Replicas may count the stage differently (records propagate): a leader's group can be larger
+        # than this peer's count, which hivemind's key rotation cannot take; the key is reset per round.
+        mm.group_key_manager.target_group_size = None
         self._plan = dict(round=round_index, size=size, fault=fault, t0=time.monotonic())
         future.set_result(None)
 
@@ -390,9 +397,10 @@ class PendingRound:
     """A SPARTA round running in the background; poll :meth:`done`, then take :meth:`result` once."""
 
     def __init__(self, averager: SpartaAverager, round_index: int, segment: int, size: int, weight: float,
-                 control: StepControl, started: float):
+                 control: StepControl, started: float, snapshot_sum: Optional[float] = None):
         self.averager, self.round, self.segment, self.size = averager, round_index, segment, size
         self.weight, self.control, self.started = weight, control, started
+        self.snapshot_sum = snapshot_sum
 
     def done(self) -> bool:
         return self.control.done()
@@ -407,7 +415,8 @@ class PendingRound:
             error = f"{type(e).__name__}: {e}".strip().rstrip(":")[:300]
         values, averaged, stats = self.averager.read_result(self.round, self.size)
         rec = RoundRecord(round=self.round, segment=self.segment, status="failed", weight=self.weight,
-                          duration_s=round(time.monotonic() - self.started, 3), error=error)
+                          duration_s=round(time.monotonic() - self.started, 3), error=error,
+                          snapshot_sum=self.snapshot_sum)
         if stats:
             rec.group_size, rec.reducers = int(stats["group_size"]), int(stats["reducers"])
             rec.group_weight = stats["group_weight"]
@@ -427,6 +436,7 @@ class PendingRound:
         if rec.status == "failed":
             rec.error = "no averaged slice came back"
             return None, None, rec
+        rec.average_sum = float(values[averaged].double().sum())
         return values, averaged, rec
 
 

@@ -11,7 +11,11 @@ thread, between optimizer steps, where the weights may change):
 - at every later step callback it checks the round: once done, the result is applied with the
   delta rule (``apply_round``; values that did not come back keep their local values), and the
   round's record is kept and emitted as a ``round`` event (self-termination counts failures);
-- a round due while the previous one still runs, or with no other replica alive, is skipped;
+- a round due while the previous one still runs (rounds slower than ``every_steps`` steps) waits
+  for it first: every replica takes part in every round, in order, and training slows to the pace
+  of averaging rather than letting the replicas drift into different rounds; the wait is recorded
+  (``waited_s``). With no other replica alive, or while a joiner catches up with the stage's step
+  counter, the round is skipped;
 - a joining worker loads its stage's state (:mod:`agoractl.runtime.join`) and, if stale, runs the
   sync phases (:mod:`agoractl.runtime.sync_phases`): its phase is announced in its DHT record;
 - replica snapshots every ``checkpoints.snapshots_every_steps`` (for ``analyze divergence``) and,
@@ -99,10 +103,15 @@ class SpartaWorker:
         self.phases = SyncPhases(run.join, 0)
         self.join_facts: dict[str, Any] = {"source": "init", "loaded_step": 0, "stale_steps": 0}
         self.pending: Optional[tuple[PendingRound, torch.Tensor]] = None
+        self.waited_s: dict[int, float] = {}
+        """Per round, how long the compute thread waited for the previous round before starting it."""
         self.rounds: list[dict] = []
         self.samples_since_round = 0
         self.last_segment: Optional[int] = None
         self.live_peers = 1
+        self.seen: dict[str, float] = {}
+        self.others_now = 0
+        """Other workers of the stage in the watcher's latest read (no memory of earlier reads)."""
         self.signals: list[faults.PreemptSignal] = []
         self.acted: set[str] = set()
         self.store = CheckpointStore(run) if (run.checkpoints.snapshots_every_steps or run.checkpoints.every_steps) else None
@@ -134,6 +143,11 @@ class SpartaWorker:
             state, source = load_stage_state(self.worker.role, self._from_peers, self._from_store)
             if state is not None:
                 loaded = apply_state(state, self.worker.module, self.worker.optimizer, self.worker.master)
+        if source != "init":  # loading took time: how far the stage is now
+            try:
+                stage_step = max([stage_step, *(p.step for p in self.records.stage_progress(self.stage).values())])
+            except Exception:
+                pass
         stale = max(0, stage_step - loaded)
         self.phases = SyncPhases(self.run.join, stale, stage_step)
         self._set_phase(self.phases.phase)
@@ -157,9 +171,16 @@ class SpartaWorker:
     def _watch(self) -> None:
         while not self.stop.is_set():
             try:
-                workers = self.records.stage_workers(self.stage)
-                workers[self.peer] = None  # this worker counts even before its record propagates
-                self.live_peers = len(workers)
+                now = time.monotonic()
+                current = self.records.stage_workers(self.stage)
+                self.others_now = len(set(current) - {self.peer})
+                for peer in current:
+                    self.seen[peer] = now
+                self.seen[self.peer] = now  # this worker counts even before its record propagates
+                # A record missing from one read (a slow store, a partial answer) is not a departure:
+                # count the workers seen within a record's lifetime.
+                horizon = max(5.0, 3 * self.run.workers.announce_period_s)
+                self.live_peers = sum(now - t <= horizon for t in self.seen.values())
                 self.signals = faults.read_signals(self.dht, self.run.metadata.name, self.stage)
             except Exception:  # a slow DHT: keep the last view (the dht rule watches connectivity)
                 pass
@@ -171,22 +192,33 @@ class SpartaWorker:
         done = step + 1  # steps the stage has completed
         if worker.stats.steps:
             self.samples_since_round += int(worker.stats.steps[-1][2])
-        changed = self.phases.on_step(done)
+        # Sync phases last a number of the stage's steps: steps this worker takes only to catch up with
+        # its stage's counter (a joiner whose counter starts behind its loaded state) do not count.
+        changed = None if worker.progress.ahead() else self.phases.on_step(done)
         if changed is not None:
             self._set_phase(changed)
             self.log.info("sync phase", phase=changed, step=done)
         self.collect()
         self._periodic_writes(done)
-        if done % self.cfg.every_steps == 0:
+        # No round after the last step: the stage is done and its workers are leaving.
+        if done % self.cfg.every_steps == 0 and done < self.run.training.max_steps:
             self._begin(done // self.cfg.every_steps - 1, done)
 
-    def collect(self) -> Optional[dict]:
-        """Apply the running round if it finished; returns its record then."""
-        if self.pending is None or not self.pending[0].done():
+    def collect(self, wait_s: float = 0.0) -> Optional[dict]:
+        """Apply the running round if it finished (waiting up to `wait_s` for it); returns its record."""
+        if self.pending is None:
             return None
+        deadline = time.monotonic() + wait_s
+        while not self.pending[0].done():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
         pending, snapshot = self.pending
         self.pending = None
         average, averaged, rec = pending.result(timeout=1.0)
+        if rec.status == "failed" and rec.group_size == 0 and self.others_now == 0:
+            # Nobody to average with (the other replicas left): not this worker's failure.
+            rec.status, rec.error = "skipped", "no other replica of the stage"
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
             if self.compute is not self.master:
@@ -197,8 +229,12 @@ class SpartaWorker:
         self.tiling.release(pending.segment)
         return self._record(rec, applied_at=self.worker.progress.step)
 
+    def round_deadline_s(self) -> float:
+        """The longest a round can last: matchmaking (two windows for a contributor) and the all-reduce."""
+        return 2 * self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + 10.0
+
     def _record(self, rec: RoundRecord, **extra) -> dict:
-        d = {**rec.as_dict(), "phase": self.phases.phase, **extra}
+        d = {**rec.as_dict(), "phase": self.phases.phase, "waited_s": self.waited_s.pop(rec.round, 0.0), **extra}
         self.rounds.append(d)
         self.worker.emit("round", **{k: v for k, v in d.items() if k != "error"}, error=rec.error)
         if rec.status in ("failed", "partial"):
@@ -208,8 +244,22 @@ class SpartaWorker:
 
     def _begin(self, round_index: int, step: int) -> None:
         segment = round_index % self.tiling.segments
+        waited = 0.0
         if self.pending is not None:
-            self._record(RoundRecord(round_index, segment, "skipped", error="the previous round is still running"),
+            # Rounds slower than every_steps steps: wait for the previous one rather than skip or delay
+            # this one, so that every replica takes part in every round, in order (skipping here would
+            # leave the replicas in different rounds, and none of them would find a group).
+            t0 = time.monotonic()
+            self.collect(wait_s=self.round_deadline_s())
+            waited = time.monotonic() - t0
+            if self.pending is not None:  # the averager is stuck past every deadline
+                self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
+                             step=step)
+                return
+        if self.worker.progress.ahead():
+            # Catching up with the stage's step (a joiner whose state is newer than its step counter):
+            # the other replicas have moved past this round.
+            self._record(RoundRecord(round_index, segment, "skipped", error="catching up with the stage's step"),
                          step=step)
             return
         if self.live_peers < 2:
@@ -232,6 +282,7 @@ class SpartaWorker:
                          step=step)
             return
         self.pending = (pending, snapshot)
+        self.waited_s[round_index] = round(waited, 3)
 
     # -- snapshots and checkpoints ------------------------------------------------------------
 
@@ -272,6 +323,8 @@ class SpartaWorker:
             except Exception:
                 pass
         self.io.shutdown(wait=True)
+        if self._watcher is not None:
+            self._watcher.join(timeout=1.0)  # usually between DHT calls; a slow call is not waited for
         try:
             self.averager.shutdown()
         except Exception:

@@ -1,0 +1,110 @@
+"""``agoractl ops preempt``: fault injection in a running swarm through a DHT signal (report §3.5.3.1).
+
+Attaches a temporary client node to the run's DHT, picks the workers to hit among the stage's live
+worker records and writes the preemption signal (:mod:`agoractl.runtime.faults`); the targeted
+workers exit at that point of their next averaging round (exit code 86).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.output import emit, note, stdout
+from agoractl.errors import RuntimeFailure, UsageError
+
+app = typer.Typer(
+    help="Operate a running swarm: fault injection.",
+    no_args_is_help=True,
+    epilog="Example:\n\n  agoractl ops preempt manifests/local-cpu.yaml --stage body-1 --count 1 --during send "
+           "--role contributor",
+)
+
+PeersOpt = Annotated[Optional[list[str]], typer.Option(
+    "--initial-peers", help="Multiaddr of a DHT peer of the run (repeatable); default network.initial_peers, "
+                            "then the maddrs in <local.run_dir>/swarm/status.json (written by launch swarm).",
+    show_default=False)]
+
+
+def run_peers(run, given: Optional[list[str]]) -> list[str]:
+    """Where to join the run's DHT: --initial-peers, the manifest, or a local swarm's status file."""
+    if given:
+        return list(given)
+    if run.network.initial_peers:
+        return list(run.network.initial_peers)
+    status = Path(run.local.run_dir) / "swarm" / "status.json"
+    try:
+        maddrs = json.loads(status.read_text()).get("maddrs") or []
+    except (OSError, ValueError):
+        maddrs = []
+    if not maddrs:
+        raise UsageError("no DHT to join: no --initial-peers, network.initial_peers is empty and "
+                         f"{status} names no seed", hint="pass --initial-peers MADDR (printed by `agoractl launch dht`)")
+    return list(maddrs)
+
+
+@app.command(epilog="Examples:\n\n  agoractl ops preempt manifests/local-cpu.yaml --stage body-1 --count 1 "
+                    "--during send --role contributor\n\n"
+                    "  agoractl ops preempt manifests/local-cpu.yaml --stage head --count 1 --during reduce")
+def preempt(
+    manifest: ManifestArg,
+    stage: Annotated[str, typer.Option(help="Stage whose workers to preempt.", show_default=False)],
+    count: Annotated[int, typer.Option(help="Workers to preempt (fewer if fewer are eligible).", min=1)] = 1,
+    during: Annotated[str, typer.Option(help="send: after a worker's first chunk went out; reduce: a reducer "
+                                             "holding its first reduced chunk (operators only).")] = "send",
+    role: Annotated[Optional[str], typer.Option(help="Only workers of this role: operator or contributor "
+                                                     "(default: any for send, operator for reduce).",
+                                                show_default=False)] = None,
+    ttl_s: Annotated[float, typer.Option("--ttl-s", help="Seconds the signal stays in the DHT.", min=1)] = 600.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the random choice of targets.",
+                                                show_default=False)] = None,
+    initial_peers: PeersOpt = None,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Preempt COUNT workers of a stage at a point of their next averaging round (report §3.5.3.1)."""
+    from agoractl.runtime import faults
+
+    run = load(manifest, set_)
+    if stage not in run.stage_names():
+        raise UsageError(f"--stage {stage}: no such stage; stages are {', '.join(run.stage_names())}")
+    if during not in faults.FAULT_POINTS:
+        raise UsageError(f"--during {during}: choose send or reduce")
+    if role not in (None, "operator", "contributor"):
+        raise UsageError(f"--role {role}: choose operator or contributor")
+    if during == "reduce" and role == "contributor":
+        raise UsageError("--during reduce hits reducers, and contributors never reduce", hint="use --role operator")
+    if run.data_parallel.method != "sparta":
+        raise UsageError(f"data_parallel.method is {run.data_parallel.method}: preemption strikes during SPARTA "
+                         "averaging rounds, and this run has none")
+    peers = run_peers(run, initial_peers)
+
+    from agoractl.runtime import node
+    from agoractl.runtime.records import RunRecords
+
+    dht = node.start_dht(run, peers, client_mode=True)
+    try:
+        workers = RunRecords(dht, run.metadata.name).stage_workers(stage)
+        candidates = faults.eligible(workers.values(), during, role)
+        if not candidates:
+            roles = sorted({w.role for w in workers.values()})
+            raise RuntimeFailure(f"no live worker of stage {stage} can be preempted during {during}"
+                                 f"{f' with role {role}' if role else ''} ({len(workers)} live"
+                                 f"{', roles ' + ', '.join(roles) if roles else ''})",
+                                 hint="check the stage with the swarm's status, or change --role / --during")
+        signal = faults.PreemptSignal(during=during, targets=faults.choose_targets(candidates, count, seed))
+        if not faults.write_signal(dht, run.metadata.name, stage, signal, ttl_s):
+            raise RuntimeFailure("the DHT refused to store the preemption signal", hint="retry; check the seed is up")
+    finally:
+        node.shutdown_dht(dht)
+    if len(signal.targets) < count:
+        note(f"only {len(signal.targets)} of the requested {count} workers are eligible")
+    out = {"run": run.metadata.name, "stage": stage, "during": during, "signal": signal.id,
+           "targets": signal.targets, "requested": count, "expires_in_s": ttl_s}
+    emit(out, as_json, lambda r: stdout.print(
+        f"preemption {r['signal']}: {len(r['targets'])} worker(s) of {r['stage']} exit during {r['during']} "
+        f"in their next averaging round: {', '.join(t[-8:] for t in r['targets'])}"))
