@@ -27,26 +27,21 @@ preemption signals (:mod:`agoractl.runtime.faults`), armed for the next round th
 
 from __future__ import annotations
 
-import copy
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
 
 from agoractl import logs
 from agoractl.manifest.schema import Run
-from agoractl.ops.checkpoint import CheckpointStore, due
+from agoractl.ops.checkpoint import CheckpointStore
 from agoractl.runtime import faults
 from agoractl.runtime.averaging import PendingRound, RoundRecord, SpartaAverager
 from agoractl.runtime.join import apply_state, load_stage_state, pack_state, unpack_state
+from agoractl.runtime.replica_writes import ReplicaWrites
 from agoractl.runtime.sparta import SegmentTiling, apply_round
+from agoractl.runtime.stage_peers import StagePeers
 from agoractl.runtime.sync_phases import SyncPhases
-
-WATCH_PERIOD_S = 1.0
-"""Seconds between the watcher's DHT reads (live workers of the stage, preemption signals)."""
-
 
 def averager_prefix(run: str, stage: str) -> str:
     """The stage's averaging group in the DHT (hivemind prefixes may not contain dots)."""
@@ -82,7 +77,6 @@ class SpartaWorker:
                  on_phase: Optional[Callable[[str], None]] = None):
         self.run, self.worker, self.dht, self.records, self.peer = run, worker, dht, records, peer
         self.stage = worker.name
-        self.stop = threading.Event()
         self.on_phase = on_phase
         self.cfg = run.data_parallel.sparta
         self.log = logs.get("sparta")
@@ -108,15 +102,10 @@ class SpartaWorker:
         self.rounds: list[dict] = []
         self.samples_since_round = 0
         self.last_segment: Optional[int] = None
-        self.live_peers = 1
-        self.seen: dict[str, float] = {}
-        self.others_now = 0
-        """Other workers of the stage in the watcher's latest read (no memory of earlier reads)."""
+        self.peers = StagePeers(records, self.stage, peer, run.workers.announce_period_s, on_read=self._read_signals)
+        self.writes = ReplicaWrites(run, worker, self.names, peer, publisher=self.peers.first_operator)
         self.signals: list[faults.PreemptSignal] = []
         self.acted: set[str] = set()
-        self.store = CheckpointStore(run) if (run.checkpoints.snapshots_every_steps or run.checkpoints.every_steps) else None
-        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-io")
-        self._watcher: Optional[threading.Thread] = None
         worker.step_callbacks.append(self.on_step)
 
     # -- joining ------------------------------------------------------------------------------
@@ -165,26 +154,10 @@ class SpartaWorker:
     # -- the DHT watcher ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._watcher = threading.Thread(target=self._watch, name="sparta-watch", daemon=True)
-        self._watcher.start()
+        self.peers.start()
 
-    def _watch(self) -> None:
-        while not self.stop.is_set():
-            try:
-                now = time.monotonic()
-                current = self.records.stage_workers(self.stage)
-                self.others_now = len(set(current) - {self.peer})
-                for peer in current:
-                    self.seen[peer] = now
-                self.seen[self.peer] = now  # this worker counts even before its record propagates
-                # A record missing from one read (a slow store, a partial answer) is not a departure:
-                # count the workers seen within a record's lifetime.
-                horizon = max(5.0, 3 * self.run.workers.announce_period_s)
-                self.live_peers = sum(now - t <= horizon for t in self.seen.values())
-                self.signals = faults.read_signals(self.dht, self.run.metadata.name, self.stage)
-            except Exception:  # a slow DHT: keep the last view (the dht rule watches connectivity)
-                pass
-            self.stop.wait(WATCH_PERIOD_S)
+    def _read_signals(self) -> None:
+        self.signals = faults.read_signals(self.dht, self.run.metadata.name, self.stage)
 
     # -- the step callback (compute thread) ---------------------------------------------------
 
@@ -199,7 +172,8 @@ class SpartaWorker:
             self._set_phase(changed)
             self.log.info("sync phase", phase=changed, step=done)
         self.collect()
-        self._periodic_writes(done)
+        self.writes.on_step(done, self.phases.phase,
+                            None if self.last_segment is None else {"last_averaged_segment": self.last_segment})
         # No round after the last step: the stage is done and its workers are leaving.
         if done % self.cfg.every_steps == 0 and done < self.run.training.max_steps:
             self._begin(done // self.cfg.every_steps - 1, done)
@@ -216,7 +190,7 @@ class SpartaWorker:
         pending, snapshot = self.pending
         self.pending = None
         average, averaged, rec = pending.result(timeout=1.0)
-        if rec.status == "failed" and rec.group_size == 0 and self.others_now == 0:
+        if rec.status == "failed" and rec.group_size == 0 and self.peers.others_now == 0:
             # Nobody to average with (the other replicas left): not this worker's failure.
             rec.status, rec.error = "skipped", "no other replica of the stage"
         if average is not None:
@@ -256,13 +230,14 @@ class SpartaWorker:
                 self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
                              step=step)
                 return
-        if self.worker.progress.ahead():
+        if self.worker.progress.stage_step() - step >= self.cfg.every_steps:
             # Catching up with the stage's step (a joiner whose state is newer than its step counter):
-            # the other replicas have moved past this round.
+            # the other replicas have moved past this round. A replica a step or two behind (it learns
+            # of the stage's steps through the DHT) still meets the others in this round's matchmaking.
             self._record(RoundRecord(round_index, segment, "skipped", error="catching up with the stage's step"),
                          step=step)
             return
-        if self.live_peers < 2:
+        if self.peers.live < 2:
             self._record(RoundRecord(round_index, segment, "skipped", error="no other replica of the stage"),
                          step=step)
             return
@@ -276,37 +251,13 @@ class SpartaWorker:
             self.log.warning("preemption armed", signal=sig.id, during=fault, round=round_index)
         snapshot = self.tiling.gather(self.master, segment)
         try:
-            pending = self.averager.begin_round(round_index, segment, snapshot, weight, self.live_peers, fault)
+            pending = self.averager.begin_round(round_index, segment, snapshot, weight, self.peers.live, fault)
         except Exception as e:  # the averager process is gone or stuck: this round fails
             self._record(RoundRecord(round_index, segment, "failed", weight=weight, error=f"{type(e).__name__}: {e}"),
                          step=step)
             return
         self.pending = (pending, snapshot)
         self.waited_s[round_index] = round(waited, 3)
-
-    # -- snapshots and checkpoints ------------------------------------------------------------
-
-    def _periodic_writes(self, step: int) -> None:
-        c = self.run.checkpoints
-        if self.store is None:
-            return
-        if due(step, c.snapshots_every_steps):
-            state = {n: t.detach().clone() for n, t in self.master.items()}
-            meta = {"phase": self.phases.phase, "role": self.worker.role}
-            if self.last_segment is not None:
-                meta["last_averaged_segment"] = self.last_segment
-            self.io.submit(self._write, "snapshot", self.store.save_snapshot, self.stage, step, self.peer, state, meta)
-        if self.worker.role == "operator" and self.phases.phase == "active" and due(step, c.every_steps):
-            state = {n: t.detach().clone() for n, t in self.master.items()}
-            opt = copy.deepcopy(self.worker.optimizer.state_dict())
-            self.io.submit(self._write, "checkpoint", self.store.publish, self.stage, step, state, opt,
-                           {"peer": self.peer})
-
-    def _write(self, what: str, fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # storage trouble must not kill training; it is logged
-            self.log.warning(f"{what} not written", error=f"{type(e).__name__}: {e}")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -316,15 +267,13 @@ class SpartaWorker:
                 "sparta": round_summary(self.rounds)}
 
     def shutdown(self) -> None:
-        self.stop.set()
         if self.pending is not None:
             try:
                 self.pending[0].control.cancel()
             except Exception:
                 pass
-        self.io.shutdown(wait=True)
-        if self._watcher is not None:
-            self._watcher.join(timeout=1.0)  # usually between DHT calls; a slow call is not waited for
+        self.writes.shutdown()
+        self.peers.stop()
         try:
             self.averager.shutdown()
         except Exception:

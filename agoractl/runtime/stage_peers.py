@@ -1,0 +1,72 @@
+"""How many replicas of a worker's stage are alive, read from the DHT by a watcher thread.
+
+Averaging (SPARTA rounds, FGDiLoCo mixes) waits for this many peers before a group forms. A record
+missing from one read (a slow store, a partial answer) is not a departure: a worker counts the
+peers seen within a record's lifetime (three announce periods, at least 5 s), itself included
+even before its own record propagates. A failed read keeps the last view (the self-termination
+``dht`` rule watches connectivity).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+WATCH_PERIOD_S = 1.0
+"""Seconds between the watcher's DHT reads."""
+
+
+class StagePeers:
+    """The live replicas of `stage` as seen by `peer`; :meth:`start` the watcher, :meth:`stop` it."""
+
+    def __init__(self, records, stage: str, peer: str, announce_period_s: float,
+                 on_read: Optional[Callable[[], None]] = None):
+        self.records, self.stage, self.peer = records, stage, peer
+        self.horizon_s = max(5.0, 3 * announce_period_s)
+        self.on_read = on_read
+        """Called after every read, on the watcher thread (other DHT reads that share its cadence)."""
+        self.live = 1
+        """Replicas of the stage seen within a record's lifetime, this worker included."""
+        self.others_now = 0
+        """Other replicas in the latest read (no memory of earlier reads)."""
+        self.operators_now: set[str] = set()
+        """Operator replicas in the latest read."""
+        self.seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def read(self) -> None:
+        now = time.monotonic()
+        current = self.records.stage_workers(self.stage)
+        self.others_now = len(set(current) - {self.peer})
+        self.operators_now = {peer for peer, rec in current.items() if getattr(rec, "role", None) == "operator"}
+        for peer in current:
+            self.seen[peer] = now
+        self.seen[self.peer] = now
+        self.live = sum(now - t <= self.horizon_s for t in self.seen.values())
+
+    def first_operator(self) -> bool:
+        """Whether this worker is the stage's first operator (the lowest peer id among the operators
+        of the latest read, itself included): the one replica that publishes the stage checkpoints,
+        so that replicas never write the same checkpoint at once."""
+        return self.peer == min(self.operators_now | {self.peer})
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.read()
+                if self.on_read is not None:
+                    self.on_read()
+            except Exception:  # a slow DHT: keep the last view
+                pass
+            self._stop.wait(WATCH_PERIOD_S)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name=f"{self.stage}-peers", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)  # usually between DHT calls; a slow call is not waited for

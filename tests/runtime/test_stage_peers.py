@@ -1,0 +1,43 @@
+"""The stage's live replicas as a worker counts them (agoractl.runtime.stage_peers), on DHT reads
+given directly (a dict of records, what ``RunRecords.stage_workers`` returns): in-memory, no network."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from agoractl.runtime.stage_peers import StagePeers
+
+
+class Reads:
+    """Successive answers of ``stage_workers``: peer -> record with a role."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    def stage_workers(self, stage):
+        return self.answers.pop(0)
+
+
+def rec(role="operator"):
+    return SimpleNamespace(role=role)
+
+
+def test_live_count_remembers_a_record_missing_from_one_read():
+    peers = StagePeers(Reads({"a": rec(), "b": rec()}, {"a": rec()}), "head", "a", announce_period_s=1.0)
+    peers.read()
+    assert peers.live == 2 and peers.others_now == 1
+    peers.read()  # b missing from this read only: still counted within a record's lifetime
+    assert peers.live == 2 and peers.others_now == 0
+
+
+def test_first_operator_is_the_lowest_operator_peer_id_contributors_aside():
+    reads = Reads({"b": rec(), "c": rec(), "a": rec("contributor")})
+    b = StagePeers(reads, "head", "b", announce_period_s=1.0)
+    b.read()
+    assert b.first_operator()
+    c = StagePeers(Reads({"b": rec(), "c": rec()}), "head", "c", announce_period_s=1.0)
+    c.read()
+    assert not c.first_operator()
+    alone = StagePeers(Reads({}), "head", "z", announce_period_s=1.0)
+    alone.read()  # its own record not yet propagated: it still counts itself
+    assert alone.live == 1 and alone.first_operator()
