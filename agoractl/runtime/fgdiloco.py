@@ -77,6 +77,11 @@ def mix(kind: str, values: Sequence[torch.Tensor], matching: Optional[Matching] 
     raise ValueError(f"unknown mixing {kind!r}; one of none, global, local")
 
 
+def round_delta(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Δ = y_H − y_0: what a replica's inner steps moved its parameters in one round (Mix2 mixes it)."""
+    return end - start
+
+
 def outer_gradient(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """The outer gradient of a round: −Δ = y_0 − y_H (a descent direction points along −gradient)."""
     return start - end
@@ -127,6 +132,6 @@ def outer_round(z: Sequence[torch.Tensor], y_end: Sequence[torch.Tensor], varian
     kind1, kind2 = variant_mixing(variant)
     n = len(z)
     x = list(mix1) if mix1 is not None else mix(kind1, z, random_matching(n, rng) if kind1 == "local" else None)
-    deltas = [end - start for start, end in zip(z, y_end)]
+    deltas = [round_delta(start, end) for start, end in zip(z, y_end)]
     mixed = mix(kind2, deltas, random_matching(n, rng) if kind2 == "local" else None)
     return [replica_outer_step(x[m], mixed[m], opt) for m, opt in enumerate(optimizers)]

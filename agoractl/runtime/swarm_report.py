@@ -37,6 +37,17 @@ def _averaging(workers: list[dict]) -> dict[str, Any]:
     return round_summary([r for w in workers for r in w.get("rounds", [])])
 
 
+def _outer_rounds(workers: list[dict]) -> dict[str, Any]:
+    """A stage's FGDiLoCo health: outer rounds completed and the success of Mix1 and Mix2 (mixes
+    that ran; 'none' mixing and lone replicas skip theirs)."""
+    ran = [r for w in workers for r in w.get("rounds", []) if r.get("status") not in (None, "skipped")]
+    out: dict[str, Any] = {"outer_rounds": max([0, *(int(w.get("fgdiloco", {}).get("outer_rounds", 0)) for w in workers)])}
+    for mix in ("mix1", "mix2"):
+        xs = [float(r.get("averaging_success", 0.0)) for r in ran if r.get("mix") == mix]
+        out[f"{mix}_success_mean"] = sum(xs) / len(xs) if xs else None
+    return out
+
+
 def _mean_coalesced(workers: list[dict]) -> Optional[float]:
     """Samples per compute pass over a stage's workers (report §5.4.0.4: near 1 when the stage is starved,
     near the cap when work piles up); None when unknown (only killed workers' records)."""
@@ -95,6 +106,7 @@ def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], los
             "bans": sum(int(c.get("bans", 0)) for c in counters),
             "backward_fallbacks": sum(int(c.get("backward_fallbacks", 0)) for c in counters),
             **(_averaging(mine) if run.data_parallel.method == "sparta" else {}),
+            **(_outer_rounds(mine) if run.data_parallel.method == "fgdiloco" else {}),
         })
     return run_report(
         mode="swarm", name=run.metadata.name, steps=steps, tokens=steps * batch * seq_len,

@@ -18,9 +18,10 @@ that joins a running stage starts at the stage's current step. Once the stage re
 
 With ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
 joining worker's state, runs its sync phases and the stage's averaging rounds (its own threads and
-averager process). Every worker runs the self-termination rules
-(:class:`~agoractl.runtime.termination.Monitor`) on its events: when one fires the worker stops and
-the process exits with the rule's code.
+averager process); with ``fgdiloco`` a :class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs
+the stage's outer rounds instead (``self.data_parallel`` holds either). Every worker runs the
+self-termination rules (:class:`~agoractl.runtime.termination.Monitor`) on its events: when one fires
+the worker stops and the process exits with the rule's code.
 """
 
 from __future__ import annotations
@@ -89,12 +90,17 @@ class WorkerNode:
         """The self-termination rule that fired (report §3.3.1.6), if one did."""
         self.monitor = Monitor(run.workers.self_termination, self._terminate)
         self.worker.listeners.append(self.monitor)
-        self.sparta = None
+        self.data_parallel = None
         if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
             from agoractl.runtime.sparta_worker import SpartaWorker
 
-            self.sparta = SpartaWorker(run, self.worker, self.dht, self.records, self.peer)
-            self.sparta.join(joined_at)
+            self.data_parallel = SpartaWorker(run, self.worker, self.dht, self.records, self.peer)
+            self.data_parallel.join(joined_at)
+        elif run.data_parallel.method == "fgdiloco":  # outer rounds, joining state
+            from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
+
+            self.data_parallel = FGDiLoCoNode(run, self.worker, self.dht, self.records, self.peer)
+            self.data_parallel.join(joined_at)
         self.started = time.time()
         self.cpu_at_ready: dict = {}
         self.cpu_at_first_request: Optional[dict] = None
@@ -261,8 +267,8 @@ class WorkerNode:
         sync = threading.Thread(target=self._sync, name="dht-sync", daemon=True)
         sync.start()
         self.monitor.start(self.stop)
-        if self.sparta is not None:
-            self.sparta.start()
+        if self.data_parallel is not None:
+            self.data_parallel.start()
         self.cpu_at_ready = node.cpu_seconds()
         self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
                       peer=self.peer, pid=os.getpid())
@@ -282,8 +288,8 @@ class WorkerNode:
             self._dht_call(self.records.withdraw_worker, self.stage, self.peer)
             self._serve_stop.set()
             sync.join(timeout=5)
-            if self.sparta is not None:
-                self.sparta.shutdown()
+            if self.data_parallel is not None:
+                self.data_parallel.shutdown()
             server.join(timeout=5)
             stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_ready_s": self.cpu_at_ready,
                      "cpu_at_first_request_s": self.cpu_at_first_request}
@@ -298,4 +304,4 @@ class WorkerNode:
                 "phase": self.worker.phase, "role": self.worker.role, "step": self.worker.progress.step,
                 "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats),
                 "termination": self.termination.as_dict() if self.termination else None,
-                **(self.sparta.summary() if self.sparta is not None else {})}
+                **(self.data_parallel.summary() if self.data_parallel is not None else {})}

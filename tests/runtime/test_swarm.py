@@ -96,11 +96,12 @@ def procs():
     p.kill_all()
 
 
-def run_swarm(procs: Procs, run_dir: Path, values: list[str], timeout: float = 420.0) -> tuple[subprocess.Popen, Path]:
+def run_swarm(procs: Procs, run_dir: Path, values: list[str], timeout: float = 420.0,
+              manifest: Path = MANIFEST) -> tuple[subprocess.Popen, Path]:
     """Start `launch swarm --json` in the background; returns the process and its status file."""
     status = run_dir / "swarm" / "status.json"
     procs.status_files.append(status)
-    p = procs.start(agoractl("launch", "swarm", str(MANIFEST), *sets(values + [f"local.run_dir={run_dir}"]), "--json"),
+    p = procs.start(agoractl("launch", "swarm", str(manifest), *sets(values + [f"local.run_dir={run_dir}"]), "--json"),
                     stdout=subprocess.PIPE, stderr=open(run_dir.parent / f"{run_dir.name}-swarm.err", "wb"))
     p.deadline = time.monotonic() + timeout
     return p, status

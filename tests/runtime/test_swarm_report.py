@@ -50,3 +50,20 @@ def test_a_run_cut_short_reports_the_slowest_stage(run):
     r = aggregate(run, workers, [{"trainer": 0, "first_dispatch": 9.0, "loss": {}}], [], fallback_elapsed_s=7.0)
     assert r["steps"] == 1 and not r["completed"] and r["loss"] == [] and r["final_loss"] is None
     assert r["elapsed_s"] == pytest.approx(1.0)
+
+
+def test_fgdiloco_stages_report_outer_rounds_and_mix_success():
+    run = load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", ["training.max_steps=3", "training.schedule.warmup_steps=1"])
+    mixes = [{"mix": "mix1", "outer_round": 0, "status": "skipped"},
+             {"mix": "mix2", "outer_round": 0, "status": "complete", "averaging_success": 1.0},
+             {"mix": "mix1", "outer_round": 1, "status": "partial", "averaging_success": 0.5},
+             {"mix": "mix2", "outer_round": 1, "status": "failed", "averaging_success": 0.0}]
+    workers = [{**worker("head", "h0", [0, 1, 2], 100.0, 12), "rounds": mixes, "fgdiloco": {"outer_rounds": 2}},
+               {**worker("head", "h1", [0, 1, 2], 100.0, 12), "rounds": mixes[:2], "fgdiloco": {"outer_rounds": 1}}]
+    r = aggregate(run, workers, [], lost_trainers=[], fallback_elapsed_s=5.0)
+    head = next(s for s in r["stages"] if s["name"] == "head")
+    assert head["outer_rounds"] == 2
+    assert head["mix1_success_mean"] == 0.5  # the skipped Mix1 (nothing to mix) is left out
+    assert head["mix2_success_mean"] == pytest.approx((1.0 + 0.0 + 1.0) / 3)
+    tail = next(s for s in r["stages"] if s["name"] == "tail")
+    assert tail["outer_rounds"] == 0 and tail["mix1_success_mean"] is None
