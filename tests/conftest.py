@@ -1,4 +1,9 @@
-"""Shared pytest fixtures: the repository root, shipped manifests, and running the real CLI."""
+"""Shared pytest fixtures: the repository root, shipped manifests, and running the real CLI.
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml): tests marked
+``swarm`` (real multi-process swarms) all go to one of them, one at a time, so that two swarms never
+starve each other of the machine's two cores; every other test runs on the other worker beside them.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("swarm") is not None:
+            item.add_marker(pytest.mark.xdist_group("swarm"))
 
 
 @pytest.fixture

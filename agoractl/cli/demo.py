@@ -42,7 +42,10 @@ def steps(manifest: Path) -> list[list[str]]:
         ["manifest", "plan", m],
         *__import__("agoractl.cli.data", fromlist=["demo_steps"]).demo_steps(manifest),
         ["launch", "central", m, "--set", "training.max_steps=20"],
-        ["launch", "swarm", m, "--set", "training.max_steps=20"],
+        # Two replicas per stage, so that SPARTA averages and the replicas' snapshots can be compared.
+        ["launch", "swarm", m, "--set", "training.max_steps=20", "--set", "local.workers_per_stage=2"],
+        ["checkpoint", "list", m],
+        ["analyze", "divergence", m, "--stage", "head"],
         ["simulate", m, "--scenario", "fgdiloco", "--rounds", "4", "--inner-steps", "4", "--set", "model.seq_len=64"],
     ]
 

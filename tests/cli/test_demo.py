@@ -12,3 +12,8 @@ def test_demo_runs_steps_in_order(cli):
     out = proc.stdout
     assert out.index("$ agoractl manifest validate") < out.index("$ agoractl manifest plan")
     assert "body-1" in out
+    for step in ("$ agoractl launch central", "$ agoractl launch swarm", "$ agoractl checkpoint list",
+                 "$ agoractl analyze divergence", "$ agoractl simulate"):
+        assert step in out, step
+    assert out.index("$ agoractl launch swarm") < out.index("$ agoractl checkpoint list") < \
+        out.index("$ agoractl analyze divergence")
