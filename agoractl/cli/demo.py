@@ -36,11 +36,13 @@ def default_manifest() -> Path:
 
 def steps(manifest: Path) -> list[list[str]]:
     """The demo's command lines, in order. Each capability adds its step here."""
+    from agoractl.cli.data import demo_steps as data_steps
+
     m = str(manifest)
     return [
         ["manifest", "validate", m],
         ["manifest", "plan", m],
-        *__import__("agoractl.cli.data", fromlist=["demo_steps"]).demo_steps(manifest),
+        *data_steps(manifest),
         ["launch", "central", m, "--set", "training.max_steps=20"],
         # Two replicas per stage, so that SPARTA averages and the replicas' snapshots can be compared.
         ["launch", "swarm", m, "--set", "training.max_steps=20", "--set", "local.workers_per_stage=2"],

@@ -12,7 +12,7 @@ import sys
 import typer
 
 from agoractl import __version__
-from agoractl.cli import demo, launch, manifest
+from agoractl.cli import analyze, checkpoint, data, demo, launch, manifest, ops, rotate, shard, simulate
 from agoractl.errors import AgoraError
 
 app = typer.Typer(
@@ -24,13 +24,13 @@ app = typer.Typer(
 )
 app.add_typer(manifest.app, name="manifest")
 app.add_typer(launch.app, name="launch")
-app.add_typer(__import__("agoractl.cli.checkpoint", fromlist=["app"]).app, name="checkpoint")
-app.add_typer(__import__("agoractl.cli.analyze", fromlist=["app"]).app, name="analyze")
-app.add_typer(__import__("agoractl.cli.data", fromlist=["app"]).app, name="data")
-app.command(name="shard")(__import__("agoractl.cli.shard", fromlist=["shard"]).shard)
-app.command(name="rotate-shards")(__import__("agoractl.cli.rotate", fromlist=["rotate_shards"]).rotate_shards)
-app.command(name="simulate")(__import__("agoractl.cli.simulate", fromlist=["simulate"]).simulate)
-app.add_typer(__import__("agoractl.cli.ops", fromlist=["app"]).app, name="ops")
+app.add_typer(checkpoint.app, name="checkpoint")
+app.add_typer(analyze.app, name="analyze")
+app.add_typer(data.app, name="data")
+app.command(name="shard")(shard.shard)
+app.command(name="rotate-shards")(rotate.rotate_shards)
+app.command(name="simulate")(simulate.simulate)
+app.add_typer(ops.app, name="ops")
 app.command(name="demo")(demo.demo)
 
 
