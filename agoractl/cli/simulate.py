@@ -65,8 +65,13 @@ def simulate(
              "'model' (the simulated model's own size).", rich_help_panel=FG)] = "1.5e9",
     bytes_per_param: Annotated[int, typer.Option(help="Bytes per parameter on the wire.", rich_help_panel=FG)] = 4,
     step_time_s: Annotated[str, typer.Option(
-        help="Compute seconds per inner step in the time model (default 5, a 1.5B model in the seed's regime), "
-             "or 'measured' (this machine, simulated model).", rich_help_panel=FG)] = "5.0",
+        help="Compute seconds per inner step in the time model: a number, 'seed' (calibrated to the seed's "
+             "29 vs 16 weeks for DiLoCo vs GlobalM1 at 200 Mbit/s, M=8, H=100) or 'measured' (this machine, "
+             "simulated model and replicas).", rich_help_panel=FG)] = "seed",
+    global_mixing: Annotated[str, typer.Option(
+        help="Cost of a global mixing in the time model: all-to-all (the seed's gossip accounting, an exchange "
+             "with each of the M-1 others) or butterfly (bandwidth-optimal all-reduce, 2(M-1)/M payloads).",
+        rich_help_panel=FG)] = "all-to-all",
     time_inner_steps: Annotated[int, typer.Option(
         help="Inner steps one simulated round stands for in the time model (the seed's H); ignored with "
              "--step-time-s measured.", rich_help_panel=FG)] = 100,
@@ -129,11 +134,14 @@ def simulate(
         if latency_ms is not None and latency_ms < 0:
             raise UsageError(f"--latency-ms must be non-negative; got {latency_ms}")
         payload = None if payload_params == "model" else _floats(payload_params, "--payload-params", 0, float("inf"))[0]
-        step_time = None if step_time_s == "measured" else _floats(step_time_s, "--step-time-s", 0, float("inf"))[0]
+        step_time = (None if step_time_s == "measured" else step_time_s if step_time_s == "seed" else
+                     _floats(step_time_s, "--step-time-s", 0, float("inf"))[0])
+        if global_mixing not in scenarios.GLOBAL_MIXING:
+            raise UsageError(f"--global-mixing: one of {', '.join(scenarios.GLOBAL_MIXING)}; got {global_mixing!r}")
         result = scenarios.fgdiloco(run, variants=names, rounds=rounds, inner_steps=inner_steps, batch=batch,
                                     bandwidths_mbps=bws, latency_ms=latency_ms, payload_params=payload,
                                     bytes_per_param=bytes_per_param, step_time_s=step_time,
-                                    time_inner_steps=time_inner_steps, **common)
+                                    time_inner_steps=time_inner_steps, global_mixing=global_mixing, **common)
     elif scenario == "sparta-backward":
         result = scenarios.sparta_backward(run, steps=steps, microbatch=microbatch, lag_steps=lag_steps, **common)
     else:

@@ -2,7 +2,13 @@
 
 - ``fgdiloco`` (seed 002): the four variants side by side on the same data: loss per step, loss per
   simulated hour and compute utilization at each bandwidth, consensus distance (pairwise JS distance
-  of next-token distributions on a fixed probe batch, pairwise L2 of parameters).
+  of next-token distributions on a fixed probe batch, pairwise L2 of parameters). Its time model is
+  the seed's regime by default: a 1.5B-parameter payload, rounds of H = 100 inner steps, M = 8
+  replicas, gossip accounting of global mixing (``all-to-all`` in :mod:`agoractl.runtime.comm_model`:
+  "gossip reduces how many other workers each worker must communicate with", so the delta's blocking
+  communication "can be kept light by doing very local communication"), and a compute time per step
+  calibrated so that at 200 Mbit/s DiLoCo takes 29/16 of GlobalM1's wall time ("training to 1T tokens
+  at 200 Mbps takes roughly 16 weeks for GlobalM1 versus 29 weeks for DiLoCo").
 - ``sparta-backward`` (report §6.2): AsyncSPARTA with the backward pinned to the forward's replicas
   versus routed stochastically.
 - ``sparta-participation`` (report §6.4): a clean warm-up, then injected averaging failures at several
@@ -24,7 +30,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from agoractl.manifest.schema import Run
-from agoractl.runtime.comm_model import CommModel
+from agoractl.runtime.comm_model import GLOBAL_MIXING, CommModel
 from agoractl.runtime.fgdiloco import VARIANTS, variant_mixing
 from agoractl.runtime.simulator import Batcher, PipelineSim, lesson_sequences, open_sequences, run_fgdiloco
 
@@ -34,9 +40,26 @@ SEED_PAYLOAD_PARAMS = 1.5e9
 """The seed's model (1.5B parameters): the payload of every mixing in the time model by default."""
 SEED_INNER_STEPS = 100
 """The seed's H: one simulated round stands for a round of this many inner steps in the time model."""
-SEED_STEP_TIME_S = 5.0
-"""Compute seconds per inner step of the 1.5B model in the time model. With it, at 200 Mbit/s and M = 8,
-DiLoCo takes 1.8x GlobalM1's wall time, as the seed's 29 vs 16 weeks to 1T tokens."""
+SEED_REPLICAS = 8
+"""The seed's M: the replica count of the time model in the seed's regime."""
+SEED_GLOBAL_MIXING = "all-to-all"
+"""How the seed's regime costs a global mixing: one payload exchange per partner (gossip accounting)."""
+SEED_DILOCO_OVER_GLOBAL_M1 = 29 / 16
+"""DiLoCo's wall time over GlobalM1's at 200 Mbit/s in the seed (29 vs 16 weeks to 1T tokens)."""
+
+
+def seed_step_time_s(global_mixing: str = SEED_GLOBAL_MIXING, payload_params: float = SEED_PAYLOAD_PARAMS,
+                     bytes_per_param: int = 4) -> float:
+    """Compute seconds per inner step that reproduce the seed's 29 vs 16 weeks at 200 Mbit/s, M = 8, H = 100.
+
+    GlobalM1 has no blocking communication and DiLoCo blocks on a global Mix2, so their wall-time ratio
+    is (compute + global) / max(compute, global); the seed's 1.8 is met with GlobalM1's Mix1 hidden under
+    the round's compute: compute = global / (29/16 − 1). 20.7 s under ``all-to-all``, 5.2 s under
+    ``butterfly``.
+    """
+    comm = CommModel(200.0, 0.0, global_mixing)
+    mix = comm.collective_s("global", payload_params * bytes_per_param, SEED_REPLICAS)
+    return mix / (SEED_DILOCO_OVER_GLOBAL_M1 - 1) / SEED_INNER_STEPS
 
 Progress = Callable[[str], None]
 
@@ -92,23 +115,29 @@ class TimeModel:
     bytes_per_param: int
     step_time_s: float
     inner_steps: int
+    replicas: int
+    global_mixing: str
     source: str = ""
 
-    def round_time(self, variant: str, replicas: int, bandwidth_mbps: float):
+    def round_time(self, variant: str, bandwidth_mbps: float):
         kind1, kind2 = variant_mixing(variant)
-        comm = CommModel(bandwidth_mbps, self.latency_ms)
-        payload = self.payload_params * self.bytes_per_param
+        comm = CommModel(bandwidth_mbps, self.latency_ms, self.global_mixing)
+        payload, m = self.payload_params * self.bytes_per_param, self.replicas
         return comm.round_time(self.inner_steps * self.step_time_s,
-                               overlapped_s=comm.collective_s(kind1, payload, replicas),   # Mix1: non-blocking
-                               blocking_s=comm.collective_s(kind2, payload, replicas))     # Mix2: blocking
+                               overlapped_s=comm.collective_s(kind1, payload, m),   # Mix1: non-blocking
+                               blocking_s=comm.collective_s(kind2, payload, m))     # Mix2: blocking
 
     def describe(self) -> dict:
         return {
             "payload_params": self.payload_params, "bytes_per_param": self.bytes_per_param,
             "step_time_s": self.step_time_s, "inner_steps_per_round": self.inner_steps,
+            "replicas": self.replicas, "global_mixing": self.global_mixing,
             "latency_ms": self.latency_ms, "source": self.source,
-            "comm": "full-duplex links; global mixing = butterfly all-reduce, 2(M-1)/M x payload / bandwidth "
-                    "+ 2 x latency; local = pairwise exchange, payload / bandwidth + latency; Mix1 overlaps the "
+            "comm": "full-duplex links; global mixing = " + (
+                "all-to-all (gossip accounting: an exchange with each of the M-1 others), (M-1) x payload / "
+                "bandwidth + latency" if self.global_mixing == "all-to-all" else
+                "butterfly all-reduce, 2(M-1)/M x payload / bandwidth + 2 x latency") +
+                    "; local = pairwise exchange, payload / bandwidth + latency; Mix1 overlaps the "
                     "round's compute, Mix2 blocks after it; utilization = compute / wall",
         }
 
@@ -116,17 +145,24 @@ class TimeModel:
 def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 4, rounds: int = 15,
              inner_steps: Optional[int] = None, batch: Optional[int] = None, bandwidths_mbps=(100.0, 200.0),
              latency_ms: Optional[float] = None, payload_params: Optional[float] = SEED_PAYLOAD_PARAMS,
-             bytes_per_param: int = 4, step_time_s: Optional[float] = SEED_STEP_TIME_S,
-             time_inner_steps: int = SEED_INNER_STEPS, data: str = "auto", probe_samples: int = 16, seed: int = 0,
+             bytes_per_param: int = 4, step_time_s: Optional[float | str] = "seed",
+             time_inner_steps: int = SEED_INNER_STEPS, time_replicas: Optional[int] = SEED_REPLICAS,
+             global_mixing: str = SEED_GLOBAL_MIXING, data: str = "auto", probe_samples: int = 16, seed: int = 0,
              progress: Optional[Progress] = None) -> dict:
     """The four FGDiLoCo variants (or `variants`) side by side; see the module docstring.
 
     DiLoCo runs first; every other variant then gets extra rounds, as many as fit in DiLoCo's wall time
     at the most favourable bandwidth (at most `rounds` more), until its round loss reaches DiLoCo's
     final loss (time-to-loss); extra rounds run at the schedule's final learning rate.
-    ``step_time_s=None`` uses the step time measured here, with `inner_steps` per round and the
-    simulated model's own size as payload unless `payload_params` is given.
+    ``step_time_s="seed"`` is :func:`seed_step_time_s` for `global_mixing`; ``None`` uses the step time
+    measured here, with `inner_steps` per round, the simulated `replicas` and the simulated model's own
+    size as payload unless `payload_params` is given. `time_replicas` is M in the time model (the seed's
+    8 by default, whatever the simulated replica count; ``None``: the simulated count).
     """
+    if global_mixing not in GLOBAL_MIXING:
+        raise ValueError(f"global_mixing must be one of {', '.join(GLOBAL_MIXING)}; got {global_mixing!r}")
+    if step_time_s == "seed":
+        step_time_s = seed_step_time_s(global_mixing, payload_params or SEED_PAYLOAD_PARAMS, bytes_per_param)
     variants = list(variants or VARIANTS)
     for v in variants:
         variant_mixing(v)
@@ -145,7 +181,7 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
         extra, stop = 0, None
         if target is not None and tm is not None:
             # Rounds that fit in DiLoCo's wall time at some bandwidth (at most twice the rounds).
-            fit = max(int(rounds * tm.round_time("diloco", replicas, bw).wall_s // tm.round_time(v, replicas, bw).wall_s)
+            fit = max(int(rounds * tm.round_time("diloco", bw).wall_s // tm.round_time(v, bw).wall_s)
                       for bw in bandwidths_mbps)
             extra = min(rounds, max(0, fit - rounds))
             stop = (lambda t: lambda r, rec: rec["train_loss"] <= t)(target)
@@ -155,17 +191,18 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
                            stream=data_.stream(), probe=data_.probe, seed=seed, extra_rounds=extra, stop=stop)
         if tm is None:      # built after the first variant, which measures the step time
             measured = step_time_s is None
+            m = replicas if measured or time_replicas is None else time_replicas
             tm = TimeModel(bandwidths_mbps=list(bandwidths_mbps),
                            latency_ms=run.admission.max_latency_ms if latency_ms is None else latency_ms,
                            payload_params=payload_params if payload_params is not None else float(n_params),
                            bytes_per_param=bytes_per_param,
                            step_time_s=out["step_time_s"] if measured else step_time_s,
-                           inner_steps=H if measured else time_inner_steps,
+                           inner_steps=H if measured else time_inner_steps, replicas=m, global_mixing=global_mixing,
                            source=("measured on this machine: one simulated round = H inner steps of the measured "
                                    "step time" if measured else
                                    f"the seed's regime: one simulated round stands for a round of "
-                                   f"{time_inner_steps} inner steps of {step_time_s:g} s"))
-        results[v] = _fgdiloco_variant(v, out, rounds, H, replicas, tm)
+                                   f"{time_inner_steps} inner steps of {step_time_s:.4g} s on {m} replicas"))
+        results[v] = _fgdiloco_variant(v, out, rounds, H, tm)
         if v == "diloco":
             target = results[v]["final_loss"]
     for name, res in results.items():
@@ -207,13 +244,13 @@ def _model_params(run: Run):
     return build_model(run, "meta").parameters()
 
 
-def _fgdiloco_variant(v: str, out: dict, rounds: int, H: int, replicas: int, tm: TimeModel) -> dict:
+def _fgdiloco_variant(v: str, out: dict, rounds: int, H: int, tm: TimeModel) -> dict:
     recs = out["rounds"]
     main, ext = recs[:rounds], recs[rounds:]
     kind1, kind2 = variant_mixing(v)
     utilization, round_wall, hours = {}, {}, {}
     for bw in tm.bandwidths_mbps:
-        rt = tm.round_time(v, replicas, bw)
+        rt = tm.round_time(v, bw)
         key = _bw_key(bw)
         utilization[key] = round(rt.utilization, 4)
         round_wall[key] = round(rt.wall_s, 3)

@@ -24,7 +24,10 @@ def test_fgdiloco_json_and_plot(cli, tmp_path):
         assert len(v["loss"]) == 4
         assert set(v["utilization"]) == {"100", "200"}
         assert {"final_loss", "js_mean", "js_max", "l2_mean"} <= set(v)
-    assert out["assumptions"]["payload_params"] == 1.5e9 and out["assumptions"]["inner_steps_per_round"] == 100
+    a = out["assumptions"]
+    assert a["payload_params"] == 1.5e9 and a["inner_steps_per_round"] == 100
+    # The seed's regime: M = 8, gossip accounting, step time calibrated to its 29 vs 16 weeks at 200 Mbit/s.
+    assert a["replicas"] == 8 and a["global_mixing"] == "all-to-all" and 20 < a["step_time_s"] < 21
     assert (tmp_path / "fg.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "simulate fgdiloco: diloco" in proc.stderr
 
@@ -32,10 +35,12 @@ def test_fgdiloco_json_and_plot(cli, tmp_path):
 def test_fgdiloco_measured_regime_and_bandwidths(cli):
     proc = cli("simulate", MANIFEST, "--scenario", "fgdiloco", *TINY, "--rounds", "1", "--inner-steps", "2",
                "--replicas", "2", "--variants", "global_m1", "--step-time-s", "measured", "--payload-params",
-               "model", "--bandwidth", "10", "--bandwidth", "1000", "--latency-ms", "0", "--json", check=0)
+               "model", "--bandwidth", "10", "--bandwidth", "1000", "--latency-ms", "0", "--global-mixing", "butterfly",
+               "--json", check=0)
     out = json.loads(proc.stdout)
     a = out["assumptions"]
     assert a["payload_params"] == out["settings"]["model_params"]
+    assert a["replicas"] == 2 and a["global_mixing"] == "butterfly"
     assert a["inner_steps_per_round"] == 2 and a["step_time_s"] > 0 and a["latency_ms"] == 0
     u = out["variants"]["global_m1"]["utilization"]
     assert set(u) == {"10", "1000"} and u["10"] <= u["1000"]
@@ -82,6 +87,7 @@ def test_bad_input_is_one_line(cli, tmp_path):
         (["--scenario", "fgdiloco", "--replicas", "1"], "--replicas must be at least 2"),
         (["--scenario", "fgdiloco", "--plot", str(tmp_path / "missing" / "x.png")], "--plot: directory"),
         (["--scenario", "fgdiloco", "--step-time-s", "fast"], "--step-time-s"),
+        (["--scenario", "fgdiloco", "--global-mixing", "ring"], "--global-mixing: one of butterfly, all-to-all"),
     ]
     for args, message in cases:
         proc = cli("simulate", MANIFEST, *args, check=2)

@@ -17,6 +17,19 @@ def test_transfer_and_collectives():
     assert CommModel(200).collective_s("global", payload, 8) == pytest.approx(420.0)
 
 
+def test_all_to_all_global_mixing():
+    # Gossip accounting (seed 002): global averaging is an exchange with each of the M-1 others, so a
+    # pairwise exchange costs 1/(M-1) of it instead of the butterfly's M/(2(M-1)).
+    comm = CommModel(bandwidth_mbps=100, latency_ms=50, global_mixing="all-to-all")
+    payload = 6e9
+    assert comm.collective_s("global", payload, 8) == pytest.approx(7 * 480.0 + 0.05)
+    assert comm.collective_s("local", payload, 8) == pytest.approx(480.0 + 0.05)
+    assert comm.collective_s("global", payload, 2) == pytest.approx(comm.collective_s("local", payload, 2))
+    butterfly = CommModel(bandwidth_mbps=100, latency_ms=0)
+    assert butterfly.collective_s("global", payload, 2) == pytest.approx(butterfly.collective_s("local", payload, 2))
+    assert comm.collective_s("global", payload, 1) == 0.0
+
+
 def test_blocking_stalls_and_overlap_hides():
     comm = CommModel(100)
     blocking = comm.round_time(500.0, blocking_s=300.0)
@@ -33,7 +46,8 @@ def test_bandwidth_halves_transfer_time():
     assert CommModel(200).transfer_s(1e9) == pytest.approx(CommModel(100).transfer_s(1e9) / 2)
 
 
-@pytest.mark.parametrize("kwargs", [{"bandwidth_mbps": 0}, {"bandwidth_mbps": 100, "latency_ms": -1}])
+@pytest.mark.parametrize("kwargs", [{"bandwidth_mbps": 0}, {"bandwidth_mbps": 100, "latency_ms": -1},
+                                    {"bandwidth_mbps": 100, "global_mixing": "ring"}])
 def test_invalid_links(kwargs):
     with pytest.raises(ValueError):
         CommModel(**kwargs)

@@ -4,7 +4,18 @@ assert the orderings issue 6 asks for; each scenario takes well under a minute o
 
 Where a documented ordering does not hold robustly at this scale the test says so (xfail with the
 reason) instead of asserting something weaker under the same name.
+
+fgdiloco: the learning runs on 4 simulated replicas. The seed's M = 8 was tried: its fixture alone took
+47-67 s of CPU here, and at the same global batch (2 samples per replica) its per-step ordering is
+noise (seed 1: LocalM1M2 and GlobalM1LocalM2 below DiLoCo). Pairwise mixing is about as far from
+global at 8 as at 4: a random matching keeps (M-2)/(2(M-1)) of the squared disagreement, 1/3 at M = 4,
+3/7 at M = 8. The time model is the seed's regime (1.5B parameters, H = 100, M = 8, gossip accounting
+of global mixing, step time calibrated to the seed's 29 vs 16 weeks at 200 Mbit/s; see
+agoractl.runtime.scenarios).
 """
+
+import fcntl
+import json
 
 import pytest
 import torch
@@ -25,9 +36,22 @@ def tiny_run(*extra):
 # ---- fgdiloco (seed 002) --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fg():
-    return scenarios.fgdiloco(tiny_run(), replicas=4, rounds=12, inner_steps=8, batch=4, data="synthetic")
+def _fgdiloco():
+    return scenarios.fgdiloco(tiny_run(), replicas=4, rounds=12, inner_steps=8, batch=4, data="synthetic", seed=0)
+
+
+@pytest.fixture(scope="session")
+def fg(tmp_path_factory, worker_id):
+    """The scenario, computed once per test run: the first xdist worker to need it computes it under a
+    file lock and leaves its JSON in the run's shared temporary directory for the other worker."""
+    if worker_id == "master":
+        return _fgdiloco()
+    path = tmp_path_factory.getbasetemp().parent / "fgdiloco-scenario.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            path.write_text(json.dumps(_fgdiloco()))
+        return json.loads(path.read_text())
 
 
 def test_fgdiloco_report_shape(fg):
@@ -37,7 +61,10 @@ def test_fgdiloco_report_shape(fg):
         assert {"final_loss", "loss", "utilization", "js_mean", "js_max", "l2_mean"} <= set(v)
         assert set(v["utilization"]) == {"100", "200"}
         assert len(v["loss"]) == 12 * 8
-    assert fg["assumptions"]["payload_params"] == 1.5e9
+    a = fg["assumptions"]
+    assert a["payload_params"] == 1.5e9 and a["inner_steps_per_round"] == 100 and a["replicas"] == 8
+    assert a["global_mixing"] == "all-to-all"
+    assert a["step_time_s"] == pytest.approx(scenarios.seed_step_time_s())
     assert fg["data"].startswith("synthetic")
 
 
@@ -57,10 +84,17 @@ def test_fgdiloco_per_step_order_small_gaps(fg):
 
 def test_fgdiloco_local_m1_m2_worst_per_step(fg):
     f = {k: v["final_loss"] for k, v in fg["variants"].items()}
-    others = [f["diloco"], f["global_m1_local_m2"], f["global_m1"]]
-    if not f["local_m1_m2"] >= max(others) - 0.01:
-        pytest.xfail(f"LocalM1M2 is not the worst per step at this scale: {f}")
+    # LocalM1M2 below the variants with a better consensus factor F = 1 + rho2 / (1 - rho1): DiLoCo (1)
+    # and GlobalM1LocalM2 (1 + rho) ...
     assert f["local_m1_m2"] > f["diloco"]
+    assert f["local_m1_m2"] >= f["global_m1_local_m2"] - 0.01
+    # ... but not below GlobalM1 (F = 2): with pairwise averaging over a random matching the expected
+    # contraction of the squared disagreement is rho = (M-2)/(2(M-1)) < 1/2, so LocalM1M2's expected
+    # consensus error rho/(1-rho) x the per-round noise stays below GlobalM1's 1 x (the seed's F > 2
+    # needs rho > 1/2, a bound on the norm, not the expected behaviour).
+    if not f["local_m1_m2"] >= f["global_m1"] - 0.01:
+        pytest.xfail(f"LocalM1M2 is not worse per step than GlobalM1 (expected consensus error "
+                     f"rho/(1-rho) < 1 with pairwise averaging): {f}")
 
 
 def test_fgdiloco_non_blocking_sooner_at_100(fg):
@@ -72,15 +106,12 @@ def test_fgdiloco_non_blocking_sooner_at_100(fg):
 
 
 def test_fgdiloco_global_m1_local_m2_sooner_at_100(fg):
-    # The time model charges GlobalM1LocalM2 at 100 Mbit/s Mix1's overflow (global mixing of 1.5B fp32
-    # parameters takes 720 s against 500 s of compute) plus a blocking pairwise Mix2 (480 s): 1200 s per
-    # round against DiLoCo's 1220 s. It wins in time only when it also matches DiLoCo per step.
+    # At 100 Mbit/s, M = 8: Mix1's global mixing (7 x 480 s) outlasts the round's 2068 s of compute, then
+    # the blocking pairwise Mix2 (480 s): 3840 s per round against DiLoCo's 2068 + 3360 s.
     v = fg["variants"]
+    assert v["global_m1_local_m2"]["round_wall_s"]["100"] < 0.75 * v["diloco"]["round_wall_s"]["100"]
     hours = v["global_m1_local_m2"]["hours_to_diloco_final"]["100"]
-    if hours is None or hours >= v["diloco"]["hours_to_diloco_final"]["100"]:
-        pytest.xfail(f"GlobalM1LocalM2 does not reach DiLoCo's final loss sooner at 100 Mbit/s: {hours} h "
-                     f"(round {v['global_m1_local_m2']['round_wall_s']['100']} s vs DiLoCo "
-                     f"{v['diloco']['round_wall_s']['100']} s)")
+    assert hours is not None and hours < v["diloco"]["hours_to_diloco_final"]["100"], v["global_m1_local_m2"]
 
 
 def test_fgdiloco_utilization(fg):
