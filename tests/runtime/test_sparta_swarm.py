@@ -167,9 +167,12 @@ class Scenario:
         raise AssertionError(f"timed out waiting for {what} (head step {self.step()})")
 
     def preempt(self, key: str, *args: str) -> None:
-        r = subprocess.run(agoractl("ops", "preempt", MANIFEST, *sets(self.values), *args, "--json"),
-                           capture_output=True, text=True, timeout=120)
-        self.ops[key] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr}  # (a thread: no assert)
+        try:
+            r = subprocess.run(agoractl("ops", "preempt", MANIFEST, *sets(self.values), *args, "--json"),
+                               capture_output=True, text=True, timeout=180)
+            self.ops[key] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr}  # (a thread: no assert)
+        except subprocess.TimeoutExpired as e:
+            self.ops[key] = {"error": f"ops preempt timed out: {e.stderr}"}
         self.events[key] = self.step()
 
     def run(self) -> None:
