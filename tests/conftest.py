@@ -3,13 +3,18 @@
 The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml): tests marked
 ``swarm`` (real multi-process swarms) all go to one of them, one at a time, so that two swarms never
 starve each other of the machine's two cores; every other test runs on the other worker beside them.
+A ``swarm`` module with light processes (no trainers) may name its own ``xdist_group`` to run beside them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ MANIFESTS = ROOT / "manifests"
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("swarm") is not None:
+        if item.get_closest_marker("swarm") is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group("swarm"))
 
 
@@ -49,20 +54,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """A real S3 API server (moto_server) on loopback for the whole session; yields its endpoint URL.
-
-    Tests that use it get the endpoint and test credentials through `s3_env`.
-    """
-    import shutil
-    import time
-    import urllib.request
-
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+@contextlib.contextmanager
+def moto_server(env: dict | None = None):
+    """A real S3 API server (moto_server, the one installed beside this Python) on a free loopback port,
+    stopped on exit; yields its endpoint URL. `env` adds environment variables (e.g. to enforce auth)."""
+    exe = Path(sys.executable).parent / "moto_server"
+    exe = str(exe) if exe.exists() else shutil.which("moto_server")
     port = _free_port()
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -81,6 +81,13 @@ def s3_server():
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The session's loopback S3 server; tests get its endpoint and test credentials through `s3_env`."""
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

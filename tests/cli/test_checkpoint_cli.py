@@ -5,12 +5,6 @@ loopback moto_server (through s3fs), and their one-line errors: missing bucket, 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import safetensors.torch
@@ -19,7 +13,7 @@ import torch
 from agoractl.manifest.loader import load_manifest
 from agoractl.ops import optimizer_state
 from agoractl.runtime.model import build_stage
-from tests.conftest import MANIFESTS, _free_port
+from tests.conftest import MANIFESTS, moto_server
 
 torch.set_num_threads(1)
 FILE = MANIFESTS / "local-cpu.yaml"
@@ -95,28 +89,8 @@ def test_missing_bucket_is_one_line_exit_1(cli, s3_env):
 @pytest.fixture(scope="module")
 def s3_auth_server():
     """A second moto_server that checks credentials (INITIAL_NO_AUTH_ACTION_COUNT=0): unknown keys fail."""
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2)
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start")
-                time.sleep(0.2)
+    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as endpoint:
         yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_bad_credentials_are_one_line_exit_1(cli, s3_auth_server, tmp_path):

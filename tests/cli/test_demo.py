@@ -1,5 +1,7 @@
 """`agoractl demo`: prints each public command, then runs it, on the embedded default manifest."""
 
+import pytest
+
 
 def test_demo_dry_run_lists_steps(cli):
     out = cli("demo", "--dry-run", check=0).stdout
@@ -7,6 +9,7 @@ def test_demo_dry_run_lists_steps(cli):
     assert lines[0].startswith("$ agoractl manifest validate") and lines[0].endswith("local-cpu.yaml")
 
 
+@pytest.mark.swarm  # the demo's own swarm: never beside another one
 def test_demo_runs_steps_in_order(cli):
     proc = cli("demo", check=0, timeout=1200)
     out = proc.stdout

@@ -45,8 +45,8 @@ SETTINGS = [
     "stages=[{role: head, layers: 2}, {role: tail, layers: 2}]",
     "local.workers_per_stage=3", "local.trainers=1", "trainers.count=1", "trainers.in_flight=4",
     "data_parallel.method=sparta", "data_parallel.sparta.fraction=0.25", f"data_parallel.sparta.every_steps={EVERY}",
-    "data_parallel.sparta.matchmaking_timeout_s=10", "data_parallel.sparta.chunk_bytes=8192",
-    "data_parallel.sparta.chunk_timeout_s=5",
+    "data_parallel.sparta.matchmaking_timeout_s=15", "data_parallel.sparta.chunk_bytes=8192",
+    "data_parallel.sparta.chunk_timeout_s=8",
     "checkpoints.snapshots_every_steps=5", "checkpoints.every_steps=20",
     "join.max_stale_steps=0", "join.weight_sync_steps=5", "join.optimizer_sync_steps=5",
     # A contributor on a loaded machine can miss a group or two; self-termination has its own tests

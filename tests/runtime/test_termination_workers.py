@@ -26,7 +26,8 @@ import torch
 from agoractl.runtime.termination import EXIT_CODES
 from tests.conftest import MANIFESTS
 
-pytestmark = pytest.mark.swarm
+# Real worker processes, but no trainers and no swarm: light enough to run beside the swarm tests.
+pytestmark = [pytest.mark.swarm, pytest.mark.xdist_group("workers")]
 MANIFEST = MANIFESTS / "local-cpu.yaml"
 TINY = ["model.seq_len=64", "stages=[{role: head, layers: 2}, {role: tail, layers: 2}]",
         "workers.announce_period_s=1", "network.startup_timeout_s=90", "data_parallel.method=sparta",
