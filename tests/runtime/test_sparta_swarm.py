@@ -12,9 +12,9 @@ through the command line (report §3.5.3, scaled down):
   checkpoint store (the step-20 checkpoint) and goes through the sync phases (its DHT record is
   polled).
 
-The run has no step limit: it is stopped with Ctrl-C (SIGINT) once J has been active for 4 rounds,
-so how fast the machine trains does not matter. Every process is killed at the end, even on
-failure. Self-termination of single workers: tests/runtime/test_termination_workers.py.
+The run has no step limit: it is stopped with Ctrl-C (SIGINT) once J has been active for 4 rounds and
+2 rounds passed since it served a sample, so how fast the machine trains does not matter. Every
+process is killed at the end, even on failure. Self-termination of single workers: tests/runtime/test_termination_workers.py.
 """
 
 from __future__ import annotations
@@ -207,10 +207,17 @@ class Scenario:
         self.up("J", "head")
         for t in faults:
             t.join()
-        # The run ends (Ctrl-C) once J has been active for 4 rounds and both preemptions struck.
+        # The run ends (Ctrl-C) once J has been active for 4 rounds, 2 rounds passed since it served a
+        # sample, and both preemptions struck.
         self.until(lambda: self.phases[self.peers["J"]][-1][0] == "active", "J active", timeout=300)
         self.events["J active"] = self.step()
-        self.until(lambda: self.step() >= self.events["J active"] + 4 * EVERY and len(self.preempted()) == 2,
+        # J takes part: trainers route it samples (its DHT record counts them), and rounds follow.
+        j = self.peers["J"]
+        served = self.records[j].samples
+        self.until(lambda: self.records[j].samples > served, "J serving samples", timeout=300)
+        self.events["J serving"] = self.step()
+        self.until(lambda: self.step() >= max(self.events["J active"] + 4 * EVERY, self.events["J serving"] + 2 * EVERY)
+                   and len(self.preempted()) == 2,
                    "the end of the scenario", timeout=300)
         self.procs["swarm"].send_signal(signal.SIGINT)
         self.procs["swarm"].communicate(timeout=180)
