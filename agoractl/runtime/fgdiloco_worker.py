@@ -145,7 +145,7 @@ class FGDiLoCoWorker:
             self.begin(r + 1)
 
     def finish(self) -> None:
-        """End the running round: Mix2 of Δ (blocking), collect Mix1, the outer step into the weights."""
+        """End the running round: collect Mix1, Mix2 of Δ (blocking), the outer step into the weights."""
         t0 = time.monotonic()
         delta = round_delta(self.z, self.flat())
         # Mix1 first: a replica's transport runs one mix at a time (it has had H steps to finish).
