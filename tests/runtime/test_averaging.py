@@ -160,10 +160,11 @@ def test_reducer_preempted_during_reduce_leaves_one_partial_round(swarm):
     assert recs[2] is None and swarm.procs[2].wait(timeout=30) == EXIT_PREEMPTED
     assert not any(alive(pid) for pid in swarm.children[2])
     # The reducer died holding its first reduced chunk: every other peer keeps its local values for
-    # the slice that reducer averages (its share of the chunks) and gets the rest averaged.
+    # the slice that reducer averages (its share of the chunks, sized by hivemind's load balancing: about
+    # a third here, half in some runs) and gets the rest averaged.
     survivors = [recs[0], recs[1], recs[3]]
     for r in survivors:
-        assert r["status"] == "partial" and 0.5 < r["averaging_success"] < 1 and r["not_averaged"] > 0
+        assert r["status"] == "partial" and 0.25 < r["averaging_success"] < 1 and r["not_averaged"] > 0
     assert len({r["averaging_success"] for r in survivors}) == 1  # the same slice is missing everywhere
 
     recs = swarm.round(["1 0 3", "1 1 3", None, "1 5 3"])
