@@ -19,31 +19,47 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from agoractl import storage
+from agoractl import logs, storage
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 
 PARENT_ENV = "AGORA_PARENT_PID"
 
 
+BOOTSTRAP_ATTEMPTS = 5
+"""Starts of the DHT node when p2pd could not reach any initial peer, 1, 2, 4, 8 s apart (within
+``network.startup_timeout_s``): a seed busy with many joining nodes can turn a dial away, and a later
+one gets through (a peer that is really gone fails every attempt)."""
+
+
 def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = False):
     """A running ``hivemind.DHT`` joined to `initial_peers` (none: a new DHT, i.e. a seed)."""
     import hivemind
 
-    try:
-        return hivemind.DHT(
-            initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
-            host_maddrs=list(run.network.host_maddrs), announce_maddrs=list(run.network.announce_maddrs) or None,
-            startup_timeout=run.network.startup_timeout_s, await_ready=True,
-            # The run's records are short-lived and always read fresh (latest=True): re-fetching cached
-            # values before they expire, and pushing found values onto other nodes, only doubles traffic.
-            cache_refresh_before_expiry=0, cache_nearest=0,
-        )
-    except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
-        where = f"joining {', '.join(initial_peers)}" if initial_peers else "starting a new DHT"
-        raise RuntimeFailure(f"the DHT node failed {where}: {type(e).__name__}: {e}",
-                             hint="check --initial-peers (multiaddrs printed by `agoractl launch dht`) and "
-                                  "network.host_maddrs; raise network.startup_timeout_s on a loaded machine") from None
+    deadline = time.monotonic() + run.network.startup_timeout_s
+    for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+        try:
+            return hivemind.DHT(
+                initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
+                host_maddrs=list(run.network.host_maddrs), announce_maddrs=list(run.network.announce_maddrs) or None,
+                startup_timeout=run.network.startup_timeout_s, await_ready=True,
+                # The run's records are short-lived and always read fresh (latest=True): re-fetching cached
+                # values before they expire, and pushing found values onto other nodes, only doubles traffic.
+                cache_refresh_before_expiry=0, cache_nearest=0,
+            )
+        except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
+            unreached = initial_peers and "failed to connect to bootstrap peers" in str(e)
+            pause = 2.0 ** (attempt - 1)
+            if unreached and attempt < BOOTSTRAP_ATTEMPTS and time.monotonic() + pause < deadline:
+                logs.get("node").warning("no initial peer answered; starting the DHT node again",
+                                         attempt=attempt, retry_in_s=pause, initial_peers=list(initial_peers))
+                time.sleep(pause)
+                continue
+            where = f"joining {', '.join(initial_peers)}" if initial_peers else "starting a new DHT"
+            raise RuntimeFailure(f"the DHT node failed {where}: {type(e).__name__}: {e}",
+                                 hint="check --initial-peers (multiaddrs printed by `agoractl launch dht`) and "
+                                      "network.host_maddrs; raise network.startup_timeout_s on a loaded "
+                                      "machine") from None
 
 
 def require_peers(initial_peers: Sequence[str], what: str) -> list[str]:
