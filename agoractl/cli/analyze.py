@@ -48,13 +48,15 @@ def divergence(
     as_json: JsonOpt = False,
 ) -> None:
     """Per-segment inter-replica variance, consensus movement, pairwise L2 and JS distance per step."""
-    from agoractl.ops.analyze import analyze_divergence
+    from agoractl.errors import UsageError
 
     run = load(file, set_)
+    if stage not in run.stage_names():
+        raise UsageError(f"--stage: no stage {stage!r}; stages are {', '.join(run.stage_names())}")
     if plot and not plot.lower().endswith(".png"):
-        from agoractl.errors import UsageError
-
         raise UsageError(f"--plot {plot}: the plot is a PNG; give a path ending in .png")
+    from agoractl.ops.analyze import analyze_divergence  # torch: after the usage checks
+
     result = analyze_divergence(run, stage, steps=steps, probe=probe, probe_batch=probe_batch, js=js,
                                 device=device, progress=None if as_json else note)
     if plot:

@@ -79,15 +79,15 @@ def publish(
     as_json: JsonOpt = False,
 ) -> None:
     """Publish a stage checkpoint from a local directory; LATEST moves last, retention follows."""
+    run = load(file, set_)  # usage errors before torch is imported: they come back at once
+    index = _stage_index(run, stage)
+    if not from_.is_dir():
+        raise UsageError(f"--from {from_}: no such directory")
     import safetensors.torch
 
     from agoractl.ops import optimizer_state
     from agoractl.ops.checkpoint import META_FILE, MODEL_FILE, OPTIMIZER_JSON, OPTIMIZER_TENSORS, CheckpointStore
 
-    run = load(file, set_)
-    index = _stage_index(run, stage)
-    if not from_.is_dir():
-        raise UsageError(f"--from {from_}: no such directory")
     meta: dict[str, Any] = {}
     if (from_ / META_FILE).is_file():
         try:
@@ -141,10 +141,10 @@ def fetch(
     as_json: JsonOpt = False,
 ) -> None:
     """Fetch a stage checkpoint (LATEST, or --step N), verified against its meta.json."""
-    from agoractl.ops.checkpoint import META_FILE, CheckpointStore
-
     run = load(file, set_)
     _stage_index(run, stage)
+    from agoractl.ops.checkpoint import META_FILE, CheckpointStore
+
     store = CheckpointStore(run)
     meta, blobs = store.read_files(stage, step)
     if to.exists() and not to.is_dir():

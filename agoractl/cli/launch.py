@@ -35,16 +35,16 @@ def central(
     """The centralized reference (report §5.5): the whole model in one process, on the run's data stream,
     with the same global batch, optimizer, schedule and clipping as the swarm. Writes
     <local.run_dir>/central-report.json (steps, tokens, tokens_per_s, loss, final_loss)."""
+    run = load(manifest, set_)  # manifest errors before torch is imported: they come back at once
+    if run.model.family != "llama":
+        raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
+                         hint="use a manifest with model.family: llama")
     import torch
 
     from agoractl.data.stream import run_sequences
     from agoractl.runtime.central import pick_device, train_central
     from agoractl.runtime.report import write_report
 
-    run = load(manifest, set_)
-    if run.model.family != "llama":
-        raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
-                         hint="use a manifest with model.family: llama")
     try:
         dev = pick_device(device)
     except RuntimeError:
