@@ -26,10 +26,11 @@ from agoractl.manifest.schema import Run
 PARENT_ENV = "AGORA_PARENT_PID"
 
 
-BOOTSTRAP_ATTEMPTS = 5
-"""Starts of the DHT node when p2pd could not reach any initial peer, 1, 2, 4, 8 s apart (within
-``network.startup_timeout_s``): a seed busy with many joining nodes can turn a dial away, and a later
-one gets through (a peer that is really gone fails every attempt)."""
+BOOTSTRAP_ATTEMPTS = 4
+"""Starts of the DHT node when p2pd could not reach any initial peer, 0.5, 1 and 2 s apart (within
+``network.startup_timeout_s``): on a saturated machine a dial to a busy seed can fail for a few
+seconds, and a later one gets through (a peer that is really gone fails every attempt, about 5 s
+later than it would fail at once)."""
 
 
 def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = False):
@@ -49,7 +50,7 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
             )
         except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
             unreached = initial_peers and "failed to connect to bootstrap peers" in str(e)
-            pause = 2.0 ** (attempt - 1)
+            pause = 0.5 * 2.0 ** (attempt - 1)
             if unreached and attempt < BOOTSTRAP_ATTEMPTS and time.monotonic() + pause < deadline:
                 logs.get("node").warning("no initial peer answered; starting the DHT node again",
                                          attempt=attempt, retry_in_s=pause, initial_peers=list(initial_peers))
