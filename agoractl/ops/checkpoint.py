@@ -28,14 +28,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
-import safetensors.torch
-import torch
+import sys
+from typing import TYPE_CHECKING
 
 from agoractl import storage
 from agoractl.errors import AgoraError, RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
-from agoractl.ops import optimizer_state as opt_codec
-from agoractl.ops.tensor_file import TensorFile, TensorFileError
+
+if TYPE_CHECKING:  # torch and safetensors are imported where tensors are read or written, so that
+    import torch   # `checkpoint list` and `fetch` (bytes and JSON only) start without them
+
+    from agoractl.ops.tensor_file import TensorFile
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -118,9 +121,10 @@ class CheckpointStore:
             yield
         except AgoraError:
             raise
-        except TensorFileError as e:
-            raise RuntimeFailure(str(e), hint="delete the damaged object or publish again") from None
         except Exception as e:  # fsspec/s3fs/botocore raise many unrelated types
+            tensor_file = sys.modules.get("agoractl.ops.tensor_file")  # imported by whoever read tensors
+            if tensor_file is not None and isinstance(e, tensor_file.TensorFileError):
+                raise RuntimeFailure(str(e), hint="delete the damaged object or publish again") from None
             line = storage.describe_error(url or self.url, e)
             hint = None if "check" in line else "check checkpoints.store and the AWS_* / AGORA_S3_ENDPOINT_URL environment"
             raise RuntimeFailure(line, hint=hint) from e
@@ -206,6 +210,10 @@ class CheckpointStore:
         """Write a checkpoint of `stage` at `step`, then move LATEST to it (if it is the newest) and
         apply retention. Returns the checkpoint's URL. A complete checkpoint already at that step is
         kept (another replica of the stage published first) unless `overwrite`."""
+        import safetensors.torch
+
+        from agoractl.ops import optimizer_state as opt_codec
+
         if step < 0:
             raise UsageError(f"checkpoint step must be non-negative; got {step}")
         self._check()
@@ -291,6 +299,10 @@ class CheckpointStore:
 
     def load(self, stage: str, step: Optional[int] = None, verify: bool = True) -> Checkpoint:
         """The checkpoint of `stage` at `step` (None = LATEST), verified against its meta.json."""
+        import safetensors.torch
+
+        from agoractl.ops import optimizer_state as opt_codec
+
         step = self.resolve(stage, step)
         meta, blobs = self.read_files(stage, step, verify)
         if MODEL_FILE not in blobs:
@@ -324,6 +336,8 @@ class CheckpointStore:
 
         `meta`: extra facts stored (as strings) in the safetensors header; analysis reads
         ``last_averaged_segment`` (the SPARTA segment of the last round this replica applied)."""
+        import safetensors.torch
+
         if not REPLICA_RE.match(replica):
             raise UsageError(f"replica name {replica!r}: use letters, digits, '.', '_' or '-' (at most 128)")
         self._check()
@@ -352,12 +366,16 @@ class CheckpointStore:
 
     def open_snapshot(self, stage: str, step: int, replica: str) -> TensorFile:
         """One replica's snapshot opened for ranged reads (close it, or use it as a context manager)."""
+        from agoractl.ops.tensor_file import TensorFile
+
         url = self.snapshot_url(stage, step, replica)
         with self._errors(url):
             return TensorFile(self.fs, self.fs._strip_protocol(url))
 
     def iter_snapshot(self, stage: str, step: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """(replica, parameters) for every replica of `stage` at `step`, one at a time."""
+        import safetensors.torch
+
         for replica in self.snapshot_replicas(stage, step):
             yield replica, safetensors.torch.load(self._read(self.snapshot_url(stage, step, replica)))
 
