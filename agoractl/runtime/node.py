@@ -2,7 +2,8 @@
 parent watchdog, final stats.
 
 - :func:`start_dht` starts a hivemind DHT node from ``network.*`` (loopback by default) with the
-  manifest's generous p2pd start-up timeout, and turns failures into one-line errors.
+  manifest's generous p2pd start-up timeout, starts it again when no initial peer answered (a busy
+  seed), and turns failures into one-line errors.
 - :func:`stop_on_signals`: SIGTERM and SIGINT set a stop event instead of killing the process, so a
   node finishes its current work, withdraws from the DHT and writes its stats.
 - :func:`watch_parent`: a node started by ``launch swarm`` gets ``AGORA_PARENT_PID``; if that process
@@ -145,8 +146,28 @@ def _cpu(proc) -> float:
     return t.user + t.system
 
 
+P2PD_GRACE_S = 2.0
+"""Seconds the DHT process's p2pd daemon gets to exit after the DHT process stopped."""
+
+
 def shutdown_dht(dht) -> None:
+    """Stop the DHT process and its p2pd daemon. On a loaded machine hivemind may stop the DHT process
+    "the hard way" (SIGTERM after its grace period), which leaves p2pd running as an orphan that holds
+    this process's stdout and stderr open: a caller reading them (``subprocess.run``) then waits until
+    its timeout although the command has finished. So whatever the DHT process started is killed too."""
+    import psutil
+
+    try:
+        started = psutil.Process(dht.pid).children(recursive=True) if dht.pid else []
+    except psutil.Error:
+        started = []
     try:
         dht.shutdown()
     except Exception:  # the DHT process may already be gone (parent killed, p2pd died)
         pass
+    _, alive = psutil.wait_procs(started, timeout=P2PD_GRACE_S)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
