@@ -168,8 +168,10 @@ class Scenario:
 
     def preempt(self, key: str, *args: str) -> None:
         try:
+            # A new process on this loaded machine (the swarm, C and J on 2 cores) can spend a minute or
+            # more just importing torch (48 s seen in a CI run), then starting its DHT client.
             r = subprocess.run(agoractl("ops", "preempt", MANIFEST, *sets(self.values), *args, "--json"),
-                               capture_output=True, text=True, timeout=180)
+                               capture_output=True, text=True, timeout=420)
             self.ops[key] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr}  # (a thread: no assert)
         except subprocess.TimeoutExpired as e:
             self.ops[key] = {"error": f"ops preempt timed out: {e.stderr}"}
