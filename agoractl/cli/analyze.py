@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load, stage_index
 from agoractl.cli.output import emit, note, stdout
 
 app = typer.Typer(
@@ -51,8 +51,7 @@ def divergence(
     from agoractl.errors import UsageError
 
     run = load(file, set_)
-    if stage not in run.stage_names():
-        raise UsageError(f"--stage: no stage {stage!r}; stages are {', '.join(run.stage_names())}")
+    stage_index(run, stage)
     if plot and not plot.lower().endswith(".png"):
         raise UsageError(f"--plot {plot}: the plot is a PNG; give a path ending in .png")
     from agoractl.ops.analyze import analyze_divergence  # torch: after the usage checks

@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 
 from agoractl import storage
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load, stage_index
 from agoractl.cli.output import emit, human_bytes, note, stdout
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
@@ -34,13 +34,6 @@ app = typer.Typer(
 StageOpt = Annotated[str, typer.Option("--stage", help="Stage name (see `agoractl manifest plan FILE`).",
                                        show_default=False)]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="Training step of the checkpoint.", show_default=False)]
-
-
-def _stage_index(run: Run, stage: str) -> int:
-    try:
-        return run.stage(stage)[0]
-    except KeyError as e:
-        raise UsageError(f"--stage: {e.args[0]}") from None
 
 
 def _read_local(path: Path, what: str) -> bytes:
@@ -80,7 +73,7 @@ def publish(
 ) -> None:
     """Publish a stage checkpoint from a local directory; LATEST moves last, retention follows."""
     run = load(file, set_)  # usage errors before torch is imported: they come back at once
-    index = _stage_index(run, stage)
+    index = stage_index(run, stage)
     if not from_.is_dir():
         raise UsageError(f"--from {from_}: no such directory")
     import safetensors.torch
@@ -142,7 +135,7 @@ def fetch(
 ) -> None:
     """Fetch a stage checkpoint (LATEST, or --step N), verified against its meta.json."""
     run = load(file, set_)
-    _stage_index(run, stage)
+    stage_index(run, stage)
     from agoractl.ops.checkpoint import META_FILE, CheckpointStore
 
     store = CheckpointStore(run)
