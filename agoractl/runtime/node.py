@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 from agoractl import logs, storage
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
+from agoractl.runtime.records import DHT_REPLICAS
 
 PARENT_ENV = "AGORA_PARENT_PID"
 
@@ -47,7 +48,7 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
                 startup_timeout=run.network.startup_timeout_s, await_ready=True,
                 # The run's records are short-lived and always read fresh (latest=True): re-fetching cached
                 # values before they expire, and pushing found values onto other nodes, only doubles traffic.
-                cache_refresh_before_expiry=0, cache_nearest=0,
+                cache_refresh_before_expiry=0, cache_nearest=0, num_replicas=DHT_REPLICAS,
             )
         except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
             unreached = initial_peers and "failed to connect to bootstrap peers" in str(e)

@@ -28,6 +28,14 @@ SERVING_PHASES = ("optimizer_sync", "active")
 ROLES = ("operator", "contributor")
 
 
+DHT_REPLICAS = 5
+"""Nodes that hold each record (hivemind's ``num_replicas``, its default), and the beam of the searches
+for them: a store goes to the key's DHT_REPLICAS nearest nodes, and a read that visits those nodes
+finds every subkey. hivemind's searches keep ``bucket_size`` (20) nodes in the beam by default — in a
+swarm of fewer nodes, every one of them, on every read and write; the run's records are read and
+written several times a second."""
+
+
 def get_dht_time() -> float:
     """hivemind's clock (imported on use: hivemind pulls in torch, and this module is imported early)."""
     from hivemind.utils import get_dht_time as now
@@ -131,11 +139,12 @@ class RunRecords:
     def _store(self, key: str, value, ttl_s: float, subkey: str, wait: bool = True):
         """True when stored; with ``wait=False`` the pending future instead (stores take a DHT traversal:
         a caller that must not block — a worker's progress — checks the future later)."""
-        future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
+        future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True,
+                                beam_size=DHT_REPLICAS)
         return bool(future.result(self.timeout_s)) if wait else future
 
     def _get(self, key: str):
-        return self.dht.get(key, latest=True, return_future=True).result(self.timeout_s)
+        return self.dht.get(key, latest=True, return_future=True, beam_size=DHT_REPLICAS).result(self.timeout_s)
 
     # -- workers ------------------------------------------------------------------------------
 

@@ -262,7 +262,7 @@ class Scenario:
                         seen = self.phases.setdefault(peer, [])
                         if not seen or seen[-1][0] != rec.phase:
                             seen.append((rec.phase, rec.step))
-                time.sleep(0.3)
+                time.sleep(1.0)  # phases last 5 steps or more; each read is a DHT search
         finally:
             dht.shutdown()
 
