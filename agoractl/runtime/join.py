@@ -17,9 +17,10 @@ import torch
 
 from agoractl.ops import optimizer_state as opt_codec
 from agoractl.ops.checkpoint import Checkpoint
+from agoractl.runtime.optim import AdamW
 
 
-def pack_state(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: Optional[torch.optim.Optimizer],
+def pack_state(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: Optional[AdamW],
                stage: str, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """(msgpack-able metadata, tensors) of a stage's state: parameters first, then optimizer tensors."""
     names = [n for n, _ in named_params]
@@ -67,7 +68,7 @@ def load_stage_state(role: str, from_peers: Callable[[], Optional[Checkpoint]],
 
 
 @torch.no_grad()
-def apply_state(state: Checkpoint, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+def apply_state(state: Checkpoint, module: torch.nn.Module, optimizer: Optional[AdamW],
                 master: Optional[Sequence[torch.Tensor]] = None) -> int:
     """Load `state` into the stage module (and its optimizer), refresh CPU master copies if the
     module computes elsewhere; returns the state's step."""
