@@ -4,6 +4,7 @@ centralized reference. Thin: parse, call the runtime, render."""
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Annotated, Optional
 
 import typer
@@ -11,6 +12,9 @@ import typer
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
 from agoractl.cli.output import emit, note, stdout
 from agoractl.errors import UsageError
+
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+"""What ``--device`` accepts (checked before torch is imported)."""
 
 app = typer.Typer(help="Start nodes of a run, a whole local swarm, or the centralized reference.",
                   no_args_is_help=True)
@@ -39,16 +43,18 @@ def central(
     if run.model.family != "llama":
         raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
                          hint="use a manifest with model.family: llama")
+    if not DEVICE_NAME.fullmatch(device):
+        raise UsageError(f"--device {device}: not a device name", hint="use auto, cpu, cuda or cuda:N")
+    from agoractl.data.index import read_index
+
+    read_index(run.data.output)  # a missing shard index: one line, before torch is imported
     import torch
 
     from agoractl.data.stream import run_sequences
     from agoractl.runtime.central import pick_device, train_central
     from agoractl.runtime.report import write_report
 
-    try:
-        dev = pick_device(device)
-    except RuntimeError:
-        raise UsageError(f"--device {device}: not a device name", hint="use auto, cpu, cuda or cuda:N") from None
+    dev = pick_device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu")
     torch.set_num_threads(threads or run.local.threads_per_process)
