@@ -46,6 +46,28 @@ def cli(tmp_path):
     return run
 
 
+@pytest.fixture(scope="session")
+def sample_shards(tmp_path_factory) -> Path:
+    """The sample corpus (2,000 rows in 2 files) and its 4 shards, made once per test session (per xdist
+    worker) with the real commands: returns the directory holding sample/ and shards/. Tests that run a
+    swarm copy the shards (:func:`private_shards`): trainers write a ledger and progress beside them."""
+    root = tmp_path_factory.mktemp("sample-shards")
+    agoractl = [sys.executable, "-m", "agoractl"]
+    subprocess.run([*agoractl, "data", "sample", "--out", str(root / "sample"), "--rows", "2000", "--files", "2",
+                    "--json"], check=True, capture_output=True, timeout=300)
+    subprocess.run([*agoractl, "shard", str(MANIFESTS / "local-cpu.yaml"), "--set",
+                    f"data.source={root / 'sample'}/*.parquet", "--set", f"data.output={root / 'shards'}",
+                    "--set", "data.num_shards=4", "--json"], check=True, capture_output=True, timeout=300)
+    return root
+
+
+def private_shards(sample_shards: Path, dest: Path) -> list[str]:
+    """A copy of the session's shards in `dest`/shards (no ledger: the run makes its own, sized by its
+    trainers.count); returns the --set values that point a run at it."""
+    shutil.copytree(sample_shards / "shards", dest / "shards", ignore=shutil.ignore_patterns("ledger.json", "progress"))
+    return [f"data.source={sample_shards / 'sample'}/*.parquet", f"data.output={dest / 'shards'}", "data.num_shards=4"]
+
+
 def _free_port() -> int:
     import socket
 

@@ -21,7 +21,7 @@ def main() -> None:
     p.add_argument("--role", choices=["operator", "contributor"], default="operator")
     p.add_argument("--size", type=int, default=1000)
     p.add_argument("--expected", type=int, default=3)
-    p.add_argument("--window", type=float, default=8.0)
+    p.add_argument("--window", type=float, default=20.0)  # the longest wait: a group forms once all joined
     p.add_argument("--chunk-bytes", type=int, default=1024)
     p.add_argument("--wire", default="fp32")
     args = p.parse_args()

@@ -148,7 +148,7 @@ def test_weighted_average_contributors_absorb_and_preempted_sender(swarm):
 
     # The next round is whole again between the two operators.
     recs = swarm.round(["1 0 2", "1 4 2", None])
-    assert all(r["status"] == "complete" and r["first"] == pytest.approx(2.0) for r in recs)
+    assert all(r["status"] == "complete" and r["first"] == pytest.approx(2.0) for r in recs), recs
 
 
 @pytest.mark.parametrize("swarm", [["operator", "operator", "operator", "contributor"]], indirect=True)

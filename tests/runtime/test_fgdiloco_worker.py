@@ -20,7 +20,7 @@ from agoractl.runtime.fgdiloco import OuterSGD, mix, outer_round
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoWorker
 from agoractl.runtime.worker import Worker
 from tests.conftest import MANIFESTS
-from tests.runtime.test_swarm import by_stage, corpus, finish, procs, run_swarm, sets, sharded  # noqa: F401
+from tests.runtime.test_swarm import by_stage, corpus, finish, procs, run_swarm, sets  # noqa: F401
 
 H = 3
 

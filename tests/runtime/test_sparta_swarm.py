@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from agoractl.runtime.termination import EXIT_PREEMPTED
-from tests.conftest import MANIFESTS
+from tests.conftest import MANIFESTS, private_shards
 
 pytestmark = pytest.mark.swarm
 MANIFEST = MANIFESTS / "local-cpu.yaml"
@@ -274,13 +274,9 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
+def scenario(tmp_path_factory, sample_shards):
     tmp = tmp_path_factory.mktemp("sparta")
-    subprocess.run(agoractl("data", "sample", "--out", tmp / "sample", "--rows", 2000, "--files", 2, "--json"),
-                   check=True, capture_output=True, timeout=300)
-    data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", "data.num_shards=4"]
-    subprocess.run(agoractl("shard", MANIFEST, *sets(data), "--json"), check=True, capture_output=True, timeout=300)
-    s = Scenario(tmp, data)
+    s = Scenario(tmp, private_shards(sample_shards, tmp))
     try:
         s.run()
         yield s

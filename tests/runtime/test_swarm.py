@@ -2,7 +2,7 @@
 own process talking libp2p through hivemind. Not mocked, not skipped: marked ``swarm`` (slow).
 
 Tiny model settings keep each run to well under a minute of training on 2 shared CPU cores; the
-corpus is the synthetic sample, sharded once per module into a temporary directory. Every process a
+corpus is the synthetic sample, sharded once per session (tests/conftest.py). Every process a
 test starts is killed in a finalizer, even when the test fails.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MANIFESTS
+from tests.conftest import MANIFESTS, private_shards
 
 pytestmark = pytest.mark.swarm
 MANIFEST = MANIFESTS / "local-cpu.yaml"
@@ -38,24 +37,11 @@ def sets(values) -> list[str]:
     return [a for v in values for a in ("--set", v)]
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    """The sample corpus, sharded once per module; returns the directory holding sample/ and shards/."""
-    root = tmp_path_factory.mktemp("corpus")
-    subprocess.run(agoractl("data", "sample", "--out", str(root / "sample"), "--rows", "2000", "--files", "2",
-                            "--json"), check=True, capture_output=True, timeout=300)
-    data = [f"data.source={root / 'sample'}/*.parquet", f"data.output={root / 'shards'}", "data.num_shards=4"]
-    subprocess.run(agoractl("shard", str(MANIFEST), *sets(data), "--json"), check=True, capture_output=True,
-                   timeout=300)
-    return root
-
-
 @pytest.fixture
-def corpus(sharded, tmp_path) -> list[str]:
-    """A private copy of the shards (its own ledger, sized by the test's trainers.count): the --set values
-    that point a run at it."""
-    shutil.copytree(sharded / "shards", tmp_path / "shards", ignore=shutil.ignore_patterns("ledger.json", "progress"))
-    return [f"data.source={sharded / 'sample'}/*.parquet", f"data.output={tmp_path / 'shards'}", "data.num_shards=4"]
+def corpus(sample_shards, tmp_path) -> list[str]:
+    """A private copy of the session's sample shards (its own ledger, sized by the test's trainers.count):
+    the --set values that point a run at it."""
+    return private_shards(sample_shards, tmp_path)
 
 
 class Procs:
