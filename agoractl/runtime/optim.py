@@ -46,7 +46,8 @@ class AdamW:
                                           "exp_avg_sq": torch.zeros_like(p)}
                 st["step"] += 1
                 t = float(st["step"])
-                p.mul_(1 - lr * wd)
+                if wd:
+                    p.mul_(1 - lr * wd)
                 st["exp_avg"].lerp_(p.grad, 1 - beta1)
                 st["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 denom = (st["exp_avg_sq"].sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
@@ -84,7 +85,9 @@ class AdamW:
             by_index.update(zip(s["params"], g["params"]))
         self.state = {}
         for i, st in state_dict["state"].items():
-            p = by_index[int(i)]
+            p = by_index.get(int(i))
+            if p is None:
+                raise ValueError(f"optimizer state has moments for parameter {i}, which no group names")
             self.state[p] = {"step": torch.as_tensor(st["step"], dtype=torch.float32).clone(),
                              "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
                              "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone()}
