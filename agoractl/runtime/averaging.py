@@ -44,9 +44,10 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from agoractl import logs
 from agoractl.runtime.faults import FAULT_POINTS
@@ -350,6 +351,24 @@ class SpartaAverager(DecentralizedAverager):
         except (psutil.NoSuchProcess, ProcessLookupError):
             pass
         os._exit(EXIT_PREEMPTED)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler of a groupmate's parts, but waiting for this peer's runner through
+        ``asyncio.shield``: a sender whose parts arrive before the runner exists and who then vanishes (a
+        contributor preempted during send) gets its handler cancelled, and an unshielded wait would cancel
+        the group's shared future with it - the runner could then not be registered ("invalid state") and
+        the whole round failed for every peer instead of missing that sender's parts."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            await self._pending_groups_registered.wait()  # the leader's reply may come after the first part
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await asyncio.shield(future)
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: Optional[bytes] = None, **kwargs) -> None:
