@@ -20,6 +20,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
+from agoractl.runtime.records import DHT_REPLICAS
+
 FAULT_POINTS = ("send", "reduce")
 
 
@@ -74,12 +76,12 @@ def write_signal(dht, run: str, stage: str, signal: PreemptSignal, ttl_s: float,
     from hivemind.utils import get_dht_time
 
     return bool(dht.store(faults_key(run, stage), signal.to_dict(), get_dht_time() + ttl_s, subkey=signal.id,
-                          return_future=True).result(timeout_s))
+                          return_future=True, beam_size=DHT_REPLICAS).result(timeout_s))
 
 
 def read_signals(dht, run: str, stage: str, timeout_s: float = 10.0) -> list[PreemptSignal]:
     """The stage's unexpired preemption signals (blocking)."""
-    found = dht.get(faults_key(run, stage), latest=True, return_future=True).result(timeout_s)
+    found = dht.get(faults_key(run, stage), latest=True, return_future=True, beam_size=DHT_REPLICAS).result(timeout_s)
     if found is None or not isinstance(found.value, dict):
         return []
     out = []
