@@ -32,7 +32,7 @@ import torch
 from agoractl.manifest.loader import load_manifest
 from agoractl.ops.analyze import analyze_divergence
 from agoractl.ops.checkpoint import CheckpointStore
-from agoractl.runtime.model import build_stage
+from agoractl.model.build import build_stage
 
 ROOT = Path(__file__).resolve().parent.parent
 

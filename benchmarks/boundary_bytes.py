@@ -33,8 +33,8 @@ from hivemind.proto.runtime_pb2 import CompressionType  # noqa: E402
 
 from agoractl.manifest.loader import load_manifest  # noqa: E402
 from agoractl.manifest.plan import boundary_bytes_per_token  # noqa: E402
-from agoractl.runtime.codec import WIRE_DTYPES, to_wire  # noqa: E402
-from agoractl.runtime.model import build_stage, dense_equivalent  # noqa: E402
+from agoractl.model.codec import WIRE_DTYPES, to_wire  # noqa: E402
+from agoractl.model.build import build_stage, dense_equivalent  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ["local-cpu", "ablation-1b"]

@@ -51,8 +51,8 @@ def central(
     import torch
 
     from agoractl.data.stream import run_sequences
-    from agoractl.runtime.central import pick_device, train_central
-    from agoractl.runtime.report import write_report
+    from agoractl.training.central import pick_device, train_central
+    from agoractl.training.report import write_report
 
     dev = pick_device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -87,5 +87,3 @@ def _render_central(r: dict) -> None:
     stdout.print(f"loss {first:.4f} -> {r['final_loss']:.4f} (mean of the last steps)")
     stdout.print(f"report: {r['report_path']}")
 
-
-from agoractl.cli import launch_nodes  # noqa: E402,F401  registers launch dht|worker|trainer|swarm

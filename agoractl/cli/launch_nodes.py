@@ -142,7 +142,7 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, as_json: JsonOpt = False) 
     note(f"swarm: {run.metadata.name}, {len(run.stages)} stages x {run.local.workers_per_stage} workers, "
          f"{run.local.trainers} trainers, {run.training.max_steps} steps of {run.training.global_batch_size} samples")
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
-        report = Swarm(run, manifest, set_ or [], on_progress=progress.update).run_swarm()
+        report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note).run_swarm()
     emit(report, as_json, _render_swarm)
 
 

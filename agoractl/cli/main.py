@@ -13,6 +13,7 @@ import typer
 
 from agoractl import __version__
 from agoractl.cli import analyze, checkpoint, data, demo, launch, manifest, ops, rotate, shard, simulate
+from agoractl.cli import launch_nodes  # noqa: F401  registers launch dht|worker|trainer|swarm on launch.app
 from agoractl.errors import AgoraError
 
 app = typer.Typer(

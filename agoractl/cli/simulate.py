@@ -1,6 +1,6 @@
 """``agoractl simulate FILE --scenario NAME``: the documents' ablations with in-process replicas.
 
-Thin: parse and check options, call :mod:`agoractl.runtime.scenarios`, render a table or JSON, and
+Thin: parse and check options, call :mod:`agoractl.sim.scenarios`, render a table or JSON, and
 optionally write a plot (:mod:`agoractl.cli.simulate_plot`). Torch is imported only when a scenario
 runs, so ``--help`` stays fast.
 """
@@ -114,7 +114,7 @@ def simulate(
 
     import torch
 
-    from agoractl.runtime import scenarios
+    from agoractl.sim import scenarios
 
     torch.set_num_threads(run.local.threads_per_process)
     common = dict(replicas=replicas, data=data, probe_samples=probe_samples, seed=seed, progress=note)

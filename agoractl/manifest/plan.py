@@ -2,7 +2,7 @@
 
 Per stage: trainable and dense-equivalent parameters, worker memory; per boundary: bytes per token,
 dense and with the SSN codec; per SPARTA round: the payload; per node: the bandwidth requirement of
-report §3.5.2.1. The parameter formulas are the model's own layout (``agoractl.runtime.model``
+report §3.5.2.1. The parameter formulas are the model's own layout (``agoractl.model.llama``
 checks that it builds exactly these counts), so the plan and the model cannot disagree silently.
 """
 

@@ -2,7 +2,7 @@
 replicas drifted apart (report §5.7.2; seed 002 for the JS distance).
 
 For every snapshot step: the inter-replica population variance averaged within each SPARTA segment
-(the runtime's own tiling, :class:`agoractl.runtime.sparta.SegmentTiling`, from the manifest), the
+(the runtime's own tiling, :class:`agoractl.algorithms.sparta.SegmentTiling`, from the manifest), the
 movement of the consensus mean since the previous analysed step, the mean and max pairwise L2
 distance, and the JS distance of next-token distributions between replicas
 (:mod:`agoractl.ops.predictions`).
@@ -27,7 +27,7 @@ from agoractl.manifest.schema import Run
 from agoractl.ops.checkpoint import CheckpointStore
 from agoractl.ops.tensor_file import TensorFile
 from agoractl.ops.divergence import StepStatistics, recency_correlation
-from agoractl.runtime.sparta import SegmentTiling
+from agoractl.algorithms.sparta import SegmentTiling
 
 CHUNK_ELEMENTS = 1 << 21
 """Elements of one parameter read from every replica at once (R x 2M x 8 bytes of float64)."""
@@ -37,7 +37,7 @@ LAST_SEGMENT_KEY = "last_averaged_segment"
 
 def stage_shapes(run: Run, index: int) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the stage's trainable parameters in ``named_parameters()`` order (meta device)."""
-    from agoractl.runtime.model import build_stage
+    from agoractl.model.build import build_stage
 
     return {n: tuple(p.shape) for n, p in build_stage(run, index, "meta").named_parameters()}
 

@@ -22,7 +22,7 @@ from agoractl import storage
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.ops.checkpoint import CheckpointStore
-from agoractl.ops.consensus import js_divergence
+from agoractl.algorithms.consensus import js_divergence
 from agoractl.ops.divergence import pair_values
 
 PROBE_SEED = 0
@@ -145,7 +145,7 @@ class AssembledModel:
     """The whole pipeline for one step: context stages fixed, the analysed stage swapped per replica."""
 
     def __init__(self, run: Run, index: int, store: CheckpointStore, device: str = "cpu"):
-        from agoractl.runtime.model import build_stage
+        from agoractl.model.build import build_stage
 
         self.run, self.index, self.store, self.device = run, index, store, torch.device(device)
         self.names = run.stage_names()
@@ -161,7 +161,7 @@ class AssembledModel:
             if state is not None:
                 _load(self.stages[i], state, f"{self.store.url} stage {name} ({how})")
             else:
-                from agoractl.runtime.model import initialize_
+                from agoractl.model.llama import initialize_
 
                 initialize_(self.stages[i], self.run)
             used[name] = how

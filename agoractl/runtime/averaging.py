@@ -1,7 +1,7 @@
 """AsyncSPARTA transport over hivemind (report §3.3.1.7-8, §4.2): one segment per round, in the background.
 
 This module only moves tensors; which values form a segment and how a round's result is applied
-(the delta rule) live in :mod:`agoractl.runtime.sparta`. :class:`SpartaAverager` is hivemind's
+(the delta rule) live in :mod:`agoractl.algorithms.sparta`. :class:`SpartaAverager` is hivemind's
 ``DecentralizedAverager`` (a background process sharing the worker's DHT) over one shared buffer
 sized for the largest segment: a round copies the segment's snapshot in (zero padding), runs
 matchmaking and the butterfly all-reduce in the background, weighted by the samples the worker
@@ -22,7 +22,7 @@ processed since its last round, and hands back the average and which of its valu
 - Fault injection (report §3.5.3.1): a round can be armed to preempt this worker during ``send``
   (after its first chunk went out) or ``reduce`` (a reducer, once it reduced its first chunk and
   before returning it): the worker's processes are killed abruptly and it exits with
-  :data:`agoractl.runtime.termination.EXIT_PREEMPTED`.
+  :data:`agoractl.algorithms.termination.EXIT_PREEMPTED`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from agoractl import logs
 from agoractl.runtime.faults import FAULT_POINTS
-from agoractl.runtime.termination import EXIT_PREEMPTED
+from agoractl.algorithms.termination import EXIT_PREEMPTED
 
 _STATS = ("round", "finished", "group_size", "reducers", "senders", "weight", "group_weight",
           "reduce_expected", "reduce_received", "size", "averaged", "bytes_sent", "bytes_received",

@@ -1,16 +1,16 @@
 """FGDiLoCo in a worker (seed 002; report §4.2): the replicas of a stage as DiLoCo replicas.
 
-Attached to a :class:`~agoractl.runtime.worker.Worker` through its step callback, like the SPARTA
+Attached to a :class:`~agoractl.training.worker.Worker` through its step callback, like the SPARTA
 side. The worker's ordinary optimizer steps are FGDiLoCo's inner steps; every
 ``data_parallel.fgdiloco.inner_steps`` (H) stage steps an outer round ends and the next begins:
 
 - round start (stage step ``r * H``): the outer parameters z are the master weights, flattened in
-  the module's parameter order (as :func:`agoractl.runtime.simulator.flat_parameters` orders a full
+  the module's parameter order (as :func:`agoractl.sim.simulator.flat_parameters` orders a full
   model); Mix1 of z starts in the **background** (:class:`Mixing`), while the H inner steps train;
-- round end (stage step ``(r + 1) * H``): Δ = y_H − z (:func:`~agoractl.runtime.fgdiloco.round_delta`),
+- round end (stage step ``(r + 1) * H``): Δ = y_H − z (:func:`~agoractl.algorithms.fgdiloco.round_delta`),
   Mix1 is collected, Mix2 of Δ **blocks** the compute thread (every replica of the stage is at the
   same step: the steps are collective), and the replica's outer step
-  (:func:`~agoractl.runtime.fgdiloco.replica_outer_step`, Nesterov SGD with a momentum of its own)
+  (:func:`~agoractl.algorithms.fgdiloco.replica_outer_step`, Nesterov SGD with a momentum of its own)
   turns x = Mix1(z) and Δ̂ = Mix2(Δ) into the next z, written back into the master weights.
 
 The maths are the simulator's own functions; this module only sequences them on the worker's
@@ -30,7 +30,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from agoractl import logs
 from agoractl.manifest.schema import Run
-from agoractl.runtime.fgdiloco import OuterSGD, replica_outer_step, round_delta, variant_mixing
+from agoractl.algorithms.fgdiloco import OuterSGD, replica_outer_step, round_delta, variant_mixing
 
 
 class MixHandle(Protocol):
@@ -187,7 +187,7 @@ class FGDiLoCoNode:
 
     def __init__(self, run: Run, worker, dht, records, peer: str):
         from agoractl.runtime.averaging import SpartaAverager
-        from agoractl.runtime.replica_writes import ReplicaWrites
+        from agoractl.training.replica_writes import ReplicaWrites
         from agoractl.runtime.stage_peers import StagePeers
 
         tr = run.data_parallel.sparta  # the transport settings are shared with SPARTA's averaging

@@ -6,7 +6,7 @@ directly to joining peers (hivemind's ``rpc_download_state`` through the SPARTA 
 Operators ask live peers first, contributors the store first (the report: contributors load from
 periodically refreshed checkpoints, to spare the operators' bandwidth); with neither, a worker
 starts from the manifest's initial weights (step 0). How far behind its stage the loaded step is
-decides whether it goes through the sync phases (:mod:`agoractl.runtime.sync_phases`).
+decides whether it goes through the sync phases (:mod:`agoractl.algorithms.sync_phases`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from agoractl.ops import optimizer_state as opt_codec
 from agoractl.ops.checkpoint import Checkpoint
-from agoractl.runtime.optim import AdamW
+from agoractl.algorithms.optim import AdamW
 
 
 def pack_state(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: Optional[AdamW],

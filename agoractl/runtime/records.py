@@ -9,7 +9,7 @@ that stops refreshing its record disappears from every reader's view on its own:
   ``phase`` (``weight_sync`` is invisible to trainers; ``optimizer_sync`` and ``active`` serve),
   ``role`` (operator or contributor), step and throughput.
 - ``<run>.<stage>.progress``: ``{step, total}`` per replica (its step and cumulative samples), the
-  stage's collective progress toward the global batch (:mod:`agoractl.runtime.progress`).
+  stage's collective progress toward the global batch (:mod:`agoractl.algorithms.progress`).
 - ``<run>.trainers``: one :class:`TrainerRecord` per trainer: loss, samples, tokens per shard.
 
 Values are plain dicts (msgpack); readers tolerate missing or extra fields (other versions).
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from agoractl.runtime.progress import PeerProgress
+from agoractl.algorithms.progress import PeerProgress
 
 PHASES = ("weight_sync", "optimizer_sync", "active")
 """Worker phases (report §3.3.1.1): weight sync is invisible to trainers, the other two serve."""
@@ -168,7 +168,7 @@ class RunRecords:
     # -- stage progress -----------------------------------------------------------------------
 
     def publish_progress(self, stage: str, peer: str, step: int, total: int, ttl_s: float, wait: bool = True):
-        """A replica's step and cumulative samples (:class:`~agoractl.runtime.progress.PeerProgress`)."""
+        """A replica's step and cumulative samples (:class:`~agoractl.algorithms.progress.PeerProgress`)."""
         return self._store(progress_key(self.run, stage), {"step": int(step), "total": int(total)}, ttl_s, peer,
                            wait)
 

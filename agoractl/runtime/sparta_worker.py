@@ -1,11 +1,11 @@
 """AsyncSPARTA in a worker (report §3.3.1.7, §4.2): rounds on the stage's step cadence, sync phases,
 per-round records, replica snapshots and operator checkpoints.
 
-Attached to a :class:`~agoractl.runtime.worker.Worker` through its step callback (the compute
+Attached to a :class:`~agoractl.training.worker.Worker` through its step callback (the compute
 thread, between optimizer steps, where the weights may change):
 
 - after the stage's step ``k * every_steps`` the worker snapshots segment ``round mod n_segments``
-  of its master weights (:class:`~agoractl.runtime.sparta.SegmentTiling` from the manifest's seed)
+  of its master weights (:class:`~agoractl.algorithms.sparta.SegmentTiling` from the manifest's seed)
   and starts averaging it in the background (:class:`~agoractl.runtime.averaging.SpartaAverager`),
   weighted by the samples it contributed since its last round (0 in the sync phases);
 - at every later step callback it checks the round: once done, the result is applied with the
@@ -17,7 +17,7 @@ thread, between optimizer steps, where the weights may change):
   (``waited_s``). With no other replica alive, or while a joiner catches up with the stage's step
   counter, the round is skipped;
 - a joining worker loads its stage's state (:mod:`agoractl.runtime.join`) and, if stale, runs the
-  sync phases (:mod:`agoractl.runtime.sync_phases`): its phase is announced in its DHT record;
+  sync phases (:mod:`agoractl.algorithms.sync_phases`): its phase is announced in its DHT record;
 - replica snapshots every ``checkpoints.snapshots_every_steps`` (for ``analyze divergence``) and,
   on operators, stage checkpoints every ``checkpoints.every_steps`` are written in the background.
 
@@ -38,36 +38,14 @@ from agoractl.ops.checkpoint import CheckpointStore
 from agoractl.runtime import faults
 from agoractl.runtime.averaging import PendingRound, RoundRecord, SpartaAverager
 from agoractl.runtime.join import apply_state, load_stage_state, pack_state, unpack_state
-from agoractl.runtime.replica_writes import ReplicaWrites
-from agoractl.runtime.sparta import SegmentTiling, apply_round
+from agoractl.training.replica_writes import ReplicaWrites
+from agoractl.algorithms.sparta import SegmentTiling, apply_round, round_summary
 from agoractl.runtime.stage_peers import StagePeers
-from agoractl.runtime.sync_phases import SyncPhases
+from agoractl.algorithms.sync_phases import SyncPhases
 
 def averager_prefix(run: str, stage: str) -> str:
     """The stage's averaging group in the DHT (hivemind prefixes may not contain dots)."""
     return f"{run}_{stage}_sparta".replace(".", "_")
-
-
-def round_summary(records: list[dict]) -> dict[str, Any]:
-    """Per-stage averaging health from the round records of its workers (report §5.7.1).
-
-    ``averaging_rounds``: distinct rounds some worker completed (whole or partial);
-    ``reduce_success_mean``: over reducers' records; ``averaging_success_mean``: over rounds that
-    ran (a failed round counts 0; skipped and empty rounds are left out); ``bytes_per_round``:
-    mean bytes sent + received by a worker in a completed round; ``rounds_failed``: failed records.
-    """
-    ran = [r for r in records if r.get("status") in ("complete", "partial", "failed")]
-    done = [r for r in ran if r["status"] != "failed"]
-    reduce = [r["reduce_success"] for r in done if r.get("reduce_success") is not None]
-    moved = [r["bytes_sent"] + r["bytes_received"] for r in done]
-    mean = (lambda xs: sum(xs) / len(xs) if xs else None)
-    return {
-        "averaging_rounds": len({r["round"] for r in done}),
-        "reduce_success_mean": mean(reduce),
-        "averaging_success_mean": mean([r["averaging_success"] for r in ran]),
-        "bytes_per_round": mean(moved),
-        "rounds_failed": len(ran) - len(done),
-    }
 
 
 class SpartaWorker:

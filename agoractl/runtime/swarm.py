@@ -6,7 +6,7 @@ group, logging to ``<run_dir>/swarm/logs/`` — waits for readiness through the 
 sleeping), watches the run (live on a terminal: step, loss, tokens/s, live workers per stage), and
 stops every process it started when the trainers finish, on error and on Ctrl-C. Nodes write their
 final stats to ``<run_dir>/swarm/nodes/``; the run report goes to ``<run_dir>/swarm-report.json``
-(:mod:`agoractl.runtime.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every two seconds:
+(:mod:`agoractl.training.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every two seconds:
 the seed's multiaddrs, every node's pid, and the stages' progress (what a script needs to join or
 fault-inject a running swarm).
 """
@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agoractl import storage
-from agoractl.cli.output import note
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
-from agoractl.runtime.report import write_report
-from agoractl.runtime.swarm_report import aggregate
+from agoractl.training.report import write_report
+from agoractl.training.swarm_report import aggregate
 
 REPORT_FILE = "swarm-report.json"
 STATUS_S = 2.0
@@ -78,9 +77,10 @@ class Swarm:
     """Starts, watches and stops one local swarm; :meth:`run` returns the run report."""
 
     def __init__(self, run: Run, manifest: Path, overrides: list[str],
-                 on_progress: Optional[Callable[[dict], None]] = None):
+                 on_progress: Optional[Callable[[dict], None]] = None,
+                 on_note: Callable[[str], None] = lambda message: None):
         self.run, self.manifest, self.overrides = run, Path(manifest).resolve(), list(overrides)
-        self.on_progress = on_progress
+        self.on_progress, self.on_note = on_progress, on_note
         self.dir = Path(run.local.run_dir) / "swarm"
         self.nodes: list[Node] = []
         self.maddrs: list[str] = []
@@ -275,7 +275,7 @@ class Swarm:
             self.maddrs = self.start_seed(startup * 2)
             self.dht = node.start_dht(self.run, self.maddrs, client_mode=True)
             self.records = RunRecords(self.dht, self.run.metadata.name)
-            note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
+            self.on_note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
             for s in self.run.stage_names():
                 for i in range(self.run.local.workers_per_stage):
                     self.start_worker(s, f"worker-{s}-{i}")
@@ -283,7 +283,7 @@ class Swarm:
             # stage has local.workers_per_stage live workers before its first sample.
             trainers = [self.start_trainer(i) for i in range(self.run.local.trainers)]
             self._wait_for_workers(startup * 3)
-            note(f"{sum(n.kind == 'worker' for n in self.nodes)} workers up in {time.time() - t_begin:.1f} s "
+            self.on_note(f"{sum(n.kind == 'worker' for n in self.nodes)} workers up in {time.time() - t_begin:.1f} s "
                  f"(logs in {self.dir / 'logs'})")
             self.started_training = time.time()
             self._watch(trainers)

@@ -2,7 +2,7 @@
 (report §3.3.2).
 
 For each sample it sends the forward head → body → tail, to the worker each stage's
-:class:`~agoractl.runtime.balancer.Balancer` chooses, keeping every stage's input wire tensor; the
+:class:`~agoractl.algorithms.balancer.Balancer` chooses, keeping every stage's input wire tensor; the
 tail's fused call computes forward, loss and backward at once; then the backward unwinds tail →
 head, each stage's **pinned** to the worker that ran its forward (report §4.2.1). Only when that
 worker is gone (the call fails) does the backward fall back to another replica, which recomputes
@@ -34,7 +34,7 @@ import torch
 from agoractl import logs
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
-from agoractl.runtime.balancer import Balancer
+from agoractl.algorithms.balancer import Balancer
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.transport import StageClient
 

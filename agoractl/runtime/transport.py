@@ -1,7 +1,7 @@
 """The trainer–worker channel (report §3.3): stage RPCs over hivemind's libp2p ``P2P``.
 
 Moves named tensors and a small msgpack metadata dict, nothing more: the worker decides what a
-request means (:mod:`agoractl.runtime.worker`), the trainer what to send (:mod:`agoractl.runtime.trainer`).
+request means (:mod:`agoractl.training.worker`), the trainer what to send (:mod:`agoractl.runtime.trainer`).
 Three unary methods, registered under a ``<run>.<stage>`` namespace so a request can only reach the
 stage it was meant for:
 

@@ -1,4 +1,4 @@
-"""A worker process (``agoractl launch worker``): the :class:`~agoractl.runtime.worker.Worker` compute,
+"""A worker process (``agoractl launch worker``): the :class:`~agoractl.training.worker.Worker` compute,
 connected to the DHT and libp2p (report §3.3.1).
 
 Three threads:
@@ -10,7 +10,7 @@ Three threads:
 - the **DHT thread**: re-announces the worker under its stage-prefixed key every
   ``workers.announce_period_s`` (expiry three periods, report §3.3.1.5), publishes its
   ``(step, samples)`` whenever they change and fetches its stage peers' progress, so the replicas
-  step together (:mod:`agoractl.runtime.progress`). Every DHT call is made from this thread only.
+  step together (:mod:`agoractl.algorithms.progress`). Every DHT call is made from this thread only.
 
 ``--stage auto`` joins the stage with the fewest live replicas (ties: the earliest stage). A worker
 that joins a running stage starts at the stage's current step. Once the stage reached
@@ -20,7 +20,7 @@ With ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.
 joining worker's state, runs its sync phases and the stage's averaging rounds (its own threads and
 averager process); with ``fgdiloco`` a :class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs
 the stage's outer rounds instead (``self.data_parallel`` holds either). Every worker runs the
-self-termination rules (:class:`~agoractl.runtime.termination.Monitor`) on its events: when one fires
+self-termination rules (:class:`~agoractl.training.self_termination.Monitor`) on its events: when one fires
 the worker stops and the process exits with the rule's code.
 """
 
@@ -39,9 +39,10 @@ from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
-from agoractl.runtime.termination import Monitor, Termination
+from agoractl.algorithms.termination import Termination
+from agoractl.training.self_termination import Monitor
 from agoractl.runtime.transport import StageServicer, namespace
-from agoractl.runtime.worker import Task, Worker
+from agoractl.training.worker import Task, Worker
 
 FINISHED_IDLE_S = 10.0
 """A worker whose stage finished exits after this many seconds without requests."""
@@ -52,7 +53,7 @@ announce period: only newcomers read the record then. Every fetch or publication
 (p2pd round trips to several nodes): at 0.1 s a 3 x 2 test swarm on 2 cores spent about half its CPU on
 them, and at 0.25 s a 2 x 3 SPARTA swarm still spent more on its DHT processes and p2pd daemons than on
 training; at 0.5 s the stage's step lag stays far below one step of a real run (cumulative counts keep
-the samples per step right on average whatever the lag, :mod:`agoractl.runtime.progress`)."""
+the samples per step right on average whatever the lag, :mod:`agoractl.algorithms.progress`)."""
 
 
 def choose_stage(live: dict[str, int], order: Sequence[str]) -> str:

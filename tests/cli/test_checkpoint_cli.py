@@ -12,7 +12,7 @@ import torch
 
 from agoractl.manifest.loader import load_manifest
 from agoractl.ops import optimizer_state
-from agoractl.runtime.model import build_stage
+from agoractl.model.build import build_stage
 from tests.conftest import MANIFESTS, moto_server
 
 torch.set_num_threads(1)

@@ -16,8 +16,8 @@ from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.loader import load_manifest
 from agoractl.ops.analyze import analyze_divergence, parse_steps, stage_shapes
 from agoractl.ops.checkpoint import CheckpointStore
-from agoractl.runtime.model import build_stage
-from agoractl.runtime.sparta import SegmentTiling
+from agoractl.model.build import build_stage
+from agoractl.algorithms.sparta import SegmentTiling
 from tests.conftest import MANIFESTS
 
 torch.set_num_threads(1)
@@ -152,7 +152,7 @@ def test_sparta_simulation_shows_linear_in_recency(tmp_path):
     """Replicas trained with the real AsyncSPARTA code (the in-process pipeline simulator: stage
     modules, AdamW, segment tiling, delta rule) drift apart; at every snapshot step the segment
     averaged most recently has the lowest variance and variance grows with rounds since averaging."""
-    from agoractl.runtime.simulator import Batcher, PipelineSim, lesson_sequences
+    from agoractl.sim.simulator import Batcher, PipelineSim, lesson_sequences
 
     every, segments = 2, 4
     run = _run(tmp_path, f"data_parallel.sparta.fraction={1 / segments}", f"data_parallel.sparta.every_steps={every}",

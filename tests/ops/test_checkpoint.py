@@ -20,7 +20,7 @@ from agoractl.errors import RuntimeFailure
 from agoractl.manifest.loader import load_manifest
 from agoractl.ops import optimizer_state
 from agoractl.ops.checkpoint import CheckpointStore, due
-from agoractl.runtime.model import build_stage
+from agoractl.model.build import build_stage
 from tests.conftest import MANIFESTS, ROOT
 
 torch.set_num_threads(1)

@@ -11,14 +11,13 @@ import json
 import selectors
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 import torch
 
 from agoractl.runtime.averaging import expected_round_bytes
-from agoractl.runtime.termination import EXIT_PREEMPTED
+from agoractl.algorithms.termination import EXIT_PREEMPTED
 from tests.conftest import ROOT
 
 SIZE = 1000

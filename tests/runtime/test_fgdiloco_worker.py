@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from agoractl.manifest.loader import load_manifest
-from agoractl.runtime.fgdiloco import OuterSGD, mix, outer_round
+from agoractl.algorithms.fgdiloco import OuterSGD, mix, outer_round
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoWorker
-from agoractl.runtime.worker import Worker
+from agoractl.training.worker import Worker
 from tests.conftest import MANIFESTS
 from tests.runtime.test_swarm import by_stage, corpus, finish, procs, run_swarm, sets  # noqa: F401
 
@@ -72,7 +72,7 @@ def flat(worker):
 
 @pytest.mark.parametrize("variant", ["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"])
 def test_worker_outer_step_equals_the_simulators(variant):
-    from agoractl.runtime.fgdiloco import variant_mixing
+    from agoractl.algorithms.fgdiloco import variant_mixing
 
     KINDS[:] = list(variant_mixing(variant))
     run = load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", [

@@ -6,8 +6,8 @@ from hivemind.utils import MSGPackSerializer
 from agoractl.manifest.schema import Run
 from agoractl.ops.checkpoint import Checkpoint
 from agoractl.runtime.join import apply_state, load_stage_state, pack_state, unpack_state
-from agoractl.runtime.model import build_stage
-from agoractl.runtime.optim import make_optimizer
+from agoractl.model.build import build_stage
+from agoractl.algorithms.optim import make_optimizer
 
 
 def trained_stage(run, steps):

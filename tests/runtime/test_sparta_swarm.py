@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agoractl.runtime.termination import EXIT_PREEMPTED
+from agoractl.algorithms.termination import EXIT_PREEMPTED
 from tests.conftest import MANIFESTS, private_shards
 
 pytestmark = pytest.mark.swarm
@@ -237,7 +237,7 @@ class Scenario:
 
     def preempted(self) -> list[str]:
         """Swarm workers that exited preempted."""
-        from agoractl.runtime.termination import EXIT_PREEMPTED
+        from agoractl.algorithms.termination import EXIT_PREEMPTED
 
         return [n["name"] for n in self.status().get("nodes", []) if n["exit_code"] == EXIT_PREEMPTED] + \
             [name for name, p in self.procs.items() if p.poll() == EXIT_PREEMPTED]
@@ -309,7 +309,7 @@ def test_averaged_segment_is_in_consensus_while_the_others_drift(scenario):
 
     from agoractl.manifest.loader import load_manifest
     from agoractl.ops.analyze import stage_shapes
-    from agoractl.runtime.sparta import SegmentTiling
+    from agoractl.algorithms.sparta import SegmentTiling
 
     by_round: dict[tuple, list[dict]] = {}
     for w in scenario.node_stats():
@@ -354,7 +354,7 @@ def test_averaged_segment_is_in_consensus_while_the_others_drift(scenario):
 
 def test_contributor_preempted_during_send_leaves_the_others_whole(scenario):
     c = scenario.procs["C"]
-    from agoractl.runtime.termination import EXIT_PREEMPTED
+    from agoractl.algorithms.termination import EXIT_PREEMPTED
 
     assert c.returncode == EXIT_PREEMPTED
     hit = [e for e in scenario.log_lines("C") if e.get("event") == "preempted"]
@@ -371,7 +371,7 @@ def test_contributor_preempted_during_send_leaves_the_others_whole(scenario):
 
 
 def test_reducer_preempted_during_reduce_makes_one_partial_round(scenario):
-    from agoractl.runtime.termination import EXIT_PREEMPTED
+    from agoractl.algorithms.termination import EXIT_PREEMPTED
 
     victim = swarm_node_of(scenario, "preempted")
     hit = logged(scenario.tmp / "run" / "swarm" / "logs" / f"{victim}.log", "preempted")
@@ -432,7 +432,7 @@ def test_bytes_per_round_match_the_payload(scenario):
     from agoractl.manifest.loader import load_manifest
     from agoractl.ops.analyze import stage_shapes
     from agoractl.runtime.averaging import expected_round_bytes
-    from agoractl.runtime.sparta import SegmentTiling
+    from agoractl.algorithms.sparta import SegmentTiling
 
     run = load_manifest(MANIFEST, scenario.values)
     measured = expected = 0.0

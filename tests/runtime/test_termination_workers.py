@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from agoractl.runtime.termination import EXIT_CODES
+from agoractl.algorithms.termination import EXIT_CODES
 from tests.conftest import MANIFESTS
 
 # Real worker processes, but no trainers and no swarm: light enough to run beside the swarm tests.

@@ -1,0 +1,1 @@
+"""The run manifest: its schema (pydantic), the YAML loader with --set overrides, and the plan (parameters, memory, bytes, bandwidth)."""

@@ -1,0 +1,114 @@
+"""The centralized reference (report §5.5): the whole model in one process, trained like the swarm.
+
+Same model (with the same SSN reparameterization), same data stream (all trainers' shards
+interleaved, :func:`agoractl.data.stream.run_sequences`), same global batch per optimizer step,
+same AdamW, schedule and clipping: with ``clipping.mode: stagewise`` each stage's parameters are
+clipped on their own to ``run.clip_threshold(i)``, as the stage's workers do; SPARTA with a single
+replica is the identity, so nothing else differs. The loss of a step is the mean cross-entropy
+over its global batch, computed in micro-batches of at most ``workers.max_microbatch`` samples
+whose gradients accumulate (each weighted by its share of the batch).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from agoractl.errors import RuntimeFailure
+from agoractl.manifest.schema import Run
+from agoractl.model.build import build_model, count_module, stage_parameter_names
+from agoractl.model.llama import lm_loss, split_sample
+from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
+from agoractl.training.report import run_report
+
+StepCallback = Callable[[dict], None]
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """`auto`: CUDA when present, else the CPU; otherwise the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def clip_groups(run: Run, model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter], Optional[float]]]:
+    """(label, parameters, threshold) per clipping unit: each stage (stagewise), the whole model
+    (global), or the whole model unclipped (none)."""
+    params = dict(model.named_parameters())
+    mode = run.training.clipping.mode
+    if mode == "stagewise":
+        return [(name, [params[n] for n in stage_parameter_names(run, i)], run.clip_threshold(i))
+                for i, name in enumerate(run.stage_names())]
+    return [("model", list(params.values()), run.clip_threshold(0))]
+
+
+def batches(samples: Iterator[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
+    """Stack `size` samples per batch; a final partial batch is dropped (it would be a smaller step)."""
+    buf: list[torch.Tensor] = []
+    for s in samples:
+        buf.append(s)
+        if len(buf) == size:
+            yield torch.stack(buf)
+            buf = []
+
+
+def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.device | str = "cpu",
+                  microbatch: Optional[int] = None, on_step: Optional[StepCallback] = None) -> dict:
+    """Train the monolithic model for training.max_steps steps (fewer if `samples` runs out) and
+    return the run report (see :mod:`agoractl.training.report`)."""
+    device = torch.device(device)
+    t = run.training
+    batch_size, seq_len = t.global_batch_size, run.model.seq_len
+    micro = min(batch_size, microbatch or run.workers.max_microbatch)
+    model = build_model(run, device)
+    model.train()
+    optimizer = make_optimizer(model.parameters(), run)
+    groups = clip_groups(run, model)
+    losses: list[list[float]] = []
+    norms: list[list] = []
+    step = 0
+    start = time.monotonic()
+    for batch in batches(samples, batch_size):
+        if batch.shape[1] != seq_len + 1:
+            raise RuntimeFailure(f"the data stream yields samples of {batch.shape[1]} tokens; "
+                                 f"model.seq_len + 1 is {seq_len + 1}",
+                                 hint="rerun `agoractl shard FILE` with this manifest")
+        lr = lr_at(run, step)
+        set_lr(optimizer, lr)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in batch.split(micro):
+            inputs, labels = split_sample(mb.to(device, non_blocking=True))
+            loss = lm_loss(model(inputs), labels)
+            (loss * (mb.shape[0] / batch_size)).backward()
+            total += loss.item() * mb.shape[0]
+        step_loss = total / batch_size
+        if step_loss != step_loss:  # NaN: stop at once rather than train on garbage
+            raise RuntimeFailure(f"the loss became NaN at step {step}",
+                                 hint="lower training.optimizer.lr or check training.clipping")
+        step_norms = {label: clip_stage_(params, threshold) for label, params, threshold in groups}
+        optimizer.step()
+        losses.append([step, step_loss])
+        norms.append([step, step_norms])
+        step += 1
+        if on_step is not None:
+            elapsed = time.monotonic() - start
+            on_step({"step": step - 1, "loss": step_loss, "lr": lr, "grad_norm": step_norms,
+                     "tokens_per_s": step * batch_size * seq_len / elapsed if elapsed > 0 else 0.0})
+        if step >= t.max_steps:
+            break
+    elapsed = time.monotonic() - start
+    if step == 0:
+        raise RuntimeFailure(f"the data stream ran out before the first step (a step needs "
+                             f"{batch_size} samples of {seq_len + 1} tokens)",
+                             hint="shard a larger corpus, or lower training.global_batch_size")
+    trainable, _ = count_module(model)
+    return run_report(
+        mode="central", name=run.metadata.name, steps=step, tokens=step * batch_size * seq_len,
+        elapsed_s=elapsed, loss=losses,
+        device=str(device), precision=t.precision, params=trainable, global_batch_size=batch_size,
+        microbatch=micro, seq_len=seq_len, max_steps=t.max_steps, completed=step >= t.max_steps,
+        grad_norm=norms,
+    )

@@ -1,0 +1,326 @@
+"""A worker's compute: one replica of one stage (report §3.3.1, DESIGN §4).
+
+Requests land on a forward or a backward queue; the compute loop serves the queue holding the
+oldest request and **coalesces** the queued requests of that kind (and shape) up to
+``workers.max_microbatch`` samples, runs them as one batch and splits the results back (§3.3.1.3).
+The worker is stateless between requests: a backward recomputes the stage's forward to rebuild the
+autograd graph (§3.3.1.4); the tail's fused ``forward_backward`` computes forward, loss and
+backward in one pass and saves that recompute.
+
+Parameter gradients accumulate (each sample's loss unscaled) until the stage has **collectively**
+seen ``training.global_batch_size`` samples (:class:`~agoractl.algorithms.progress.StageProgress`, fed
+from the DHT by the node); then the replica divides by the samples it accumulated (the mean gradient
+of its share of the batch — the whole batch's mean in a pure pipeline), clips stage-wise to
+``run.clip_threshold(stage)`` (report §4.3), sets the learning rate of the manifest's schedule and
+steps its own AdamW. Master weights and AdamW moments stay on the CPU (§3.3.1); with a CUDA device
+the stage computes there and the gradients are copied to the masters at step time.
+
+Hooks for the layers built on top (SPARTA averaging, sync phases, self-termination):
+``step_callbacks`` run after every optimizer step with ``(step, worker)``; ``listeners`` receive
+structured events (``{"event": ..., ...}``; never log text); ``phase`` and ``role`` are announced.
+No networking here: :mod:`agoractl.runtime.worker_node` connects this to the DHT and libp2p.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch.nn import functional as F
+
+from agoractl.manifest.schema import Run
+from agoractl.model.codec import from_wire, to_wire
+from agoractl.model.build import build_stage
+from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
+from agoractl.algorithms.progress import StageProgress
+
+QUEUE_OF = {"forward": "forward", "backward": "backward", "forward_backward": "backward"}
+"""Which queue each method lands on: everything that accumulates gradients is a backward."""
+
+
+@dataclass
+class Task:
+    """One request: `ids` [b, seq_len+1] token ids; `wire` the stage input (None at the head);
+    `grad` the gradient of the stage output (backward only). `done(result, error)` is called once,
+    from the compute thread."""
+
+    method: str
+    ids: torch.Tensor
+    wire: Optional[torch.Tensor]
+    grad: Optional[torch.Tensor]
+    done: Callable[[Optional[dict], Optional[BaseException]], None]
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    def key(self) -> tuple:
+        """Requests coalesce only with the same method and shapes."""
+        return (self.method, tuple(self.ids.shape[1:]), None if self.wire is None else tuple(self.wire.shape[1:]))
+
+
+@dataclass
+class WorkerStats:
+    """Per-worker counters (kept in the node's final stats JSON and its DHT record)."""
+
+    forward_samples: int = 0
+    backward_samples: int = 0
+    batches: dict = field(default_factory=lambda: {"forward": 0, "backward": 0, "forward_backward": 0})
+    max_coalesced: int = 0
+    coalesced_sum: int = 0
+    compute_s: float = 0.0
+    idle_s: float = 0.0
+    failed_batches: int = 0
+    steps: list = field(default_factory=list)
+    """[step, wall time, samples contributed, grad norm before clipping] per optimizer step taken."""
+    first_request: Optional[float] = None
+    """Wall-clock time of the first request served."""
+
+
+class Worker:
+    """One stage replica's queues, compute loop, gradient accumulation and optimizer."""
+
+    def __init__(self, run: Run, stage_index: int, device: str = "cpu", step: int = 0,
+                 phase: str = "active", role: str = "operator"):
+        self.run, self.index = run, stage_index
+        self.name = run.stage_names()[stage_index]
+        self.device = torch.device(device)
+        self.module = build_stage(run, stage_index, self.device)
+        self.module.train()
+        self.role_in_pipeline = self.module.role  # head / body / tail
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.device.type == "cpu":
+            self.master = self.params
+        else:  # master weights and moments on the CPU; the device holds a compute copy
+            self.master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in self.params]
+        self.optimizer = make_optimizer(self.master, run)
+        self.progress = StageProgress(run.training.global_batch_size, run.training.max_steps, step)
+        self.max_microbatch = run.workers.max_microbatch
+        self.wire_dtype = run.workers.wire_dtype
+        self.phase, self.role = phase, role
+        self.stats = WorkerStats()
+        self.throughput = 0.0
+        """Samples per second of compute (exponential moving average)."""
+        self.step_callbacks: list[Callable[[int, "Worker"], None]] = []
+        self.listeners: list[Callable[[dict], None]] = []
+        self.events: collections.deque = collections.deque(maxlen=256)
+        self._queues: dict[str, collections.deque] = {"forward": collections.deque(), "backward": collections.deque()}
+        self._cond = threading.Condition()
+        self._closed: Optional[BaseException] = None
+        self.progress_changed = threading.Event()
+        """Set whenever the local (step, samples) changes, so the node publishes it."""
+
+    # -- events -------------------------------------------------------------------------------
+
+    def emit(self, event: str, **fields) -> None:
+        record = {"event": event, "time": time.time(), "stage": self.name, **fields}  # fields may set time
+        self.events.append(record)
+        for listener in list(self.listeners):
+            listener(record)
+
+    # -- queues -------------------------------------------------------------------------------
+
+    def submit(self, task: Task) -> None:
+        """Queue a request (thread-safe); the compute loop answers through `task.done`."""
+        if task.method not in QUEUE_OF:
+            task.done(None, ValueError(f"unknown method {task.method!r}"))
+            return
+        if task.method == "forward_backward" and self.role_in_pipeline != "tail":
+            task.done(None, ValueError(f"forward_backward is the tail's call; stage {self.name} is the "
+                                       f"{self.role_in_pipeline}"))
+            return
+        with self._cond:
+            if self._closed is not None:
+                task.done(None, self._closed)
+                return
+            if self.stats.first_request is None:
+                self.stats.first_request = time.time()
+            self._queues[QUEUE_OF[task.method]].append(task)
+            self._cond.notify()
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def _take(self) -> list[Task]:
+        """The batch to compute next: from the queue holding the oldest request, that request and the
+        queued ones of the same kind, up to max_microbatch samples — and, for gradient work while the
+        stage is short of its batch, no more than the samples the step still needs."""
+        heads = [(q[0].arrived, name) for name, q in self._queues.items() if q]
+        if not heads:
+            return []
+        _, name = min(heads)
+        queue = self._queues[name]
+        first = queue.popleft()
+        cap = self.max_microbatch
+        if name == "backward" and not self.progress.finished and self.progress.room() > 0:
+            cap = min(cap, self.progress.room())
+        batch, total = [first], first.size
+        rest = collections.deque()
+        while queue and total < cap:
+            t = queue.popleft()
+            if t.key() == first.key() and total + t.size <= cap:
+                batch.append(t)
+                total += t.size
+            else:
+                rest.append(t)
+        queue.extendleft(reversed(rest))
+        return batch
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run_once(self, timeout: float = 0.05) -> bool:
+        """Step if the stage is due, then compute one coalesced batch; False if none came in `timeout`."""
+        self.maybe_step()
+        t0 = time.monotonic()
+        with self._cond:
+            if not self.queued():
+                self._cond.wait(timeout)
+            batch = self._take()
+        self.stats.idle_s += time.monotonic() - t0
+        if not batch:
+            return False
+        self._compute(batch)
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        """The compute loop, until `stop` is set; pending requests then fail."""
+        while not stop.is_set():
+            self.run_once()
+        self.fail_pending(RuntimeError(f"worker of stage {self.name} is shutting down"))
+
+    def fail_pending(self, error: BaseException) -> None:
+        """Fail every queued request with `error`, and every later one: the worker is closing."""
+        with self._cond:
+            self._closed = error
+            tasks = [t for q in self._queues.values() for t in q]
+            for q in self._queues.values():
+                q.clear()
+        for t in tasks:
+            t.done(None, error)
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def _compute(self, batch: list[Task]) -> None:
+        method = batch[0].method
+        sizes = [t.size for t in batch]
+        n = sum(sizes)
+        t0 = time.monotonic()
+        try:
+            with torch.enable_grad() if method != "forward" else torch.no_grad():
+                results = getattr(self, f"_{method}")(batch, sizes)
+        except Exception as e:  # a bad request or a compute failure: every request of the batch fails
+            self.stats.failed_batches += 1
+            self.emit("compute_failed", method=method, error=f"{type(e).__name__}: {e}", samples=n)
+            if self.device.type == "cuda" and isinstance(e, RuntimeError) and "CUDA" in str(e):
+                self.emit("device_error", error=str(e))
+            for t in batch:
+                t.done(None, e)
+            return
+        elapsed = time.monotonic() - t0
+        self.stats.compute_s += elapsed
+        self.stats.batches[method] += 1
+        self.stats.max_coalesced = max(self.stats.max_coalesced, n)
+        self.stats.coalesced_sum += n
+        rate = n / max(elapsed, 1e-6)
+        self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
+        if method == "forward":
+            self.stats.forward_samples += n
+        else:
+            self.stats.backward_samples += n
+            self.progress.add(n, report=self.phase == "active")  # sync phases report no samples
+            self.progress_changed.set()
+        for t, r in zip(batch, results):
+            r["step"] = self.progress.step  # the step this work counts toward (the trainer's loss curve)
+            t.done(r, None)
+
+    def _inputs(self, batch: list[Task], grad: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        ids = torch.cat([t.ids for t in batch]).to(self.device, dtype=torch.long)
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be [batch, seq_len+1]; got shape {tuple(ids.shape)}")
+        if self.role_in_pipeline == "head":
+            return None, ids
+        if any(t.wire is None for t in batch):
+            raise ValueError(f"stage {self.name} needs the previous stage's wire tensor")
+        wire = torch.cat([from_wire(t.wire, self.device) for t in batch])
+        if wire.shape[:2] != (ids.shape[0], ids.shape[1] - 1):
+            raise ValueError(f"wire shape {tuple(wire.shape)} does not match ids {tuple(ids.shape)}")
+        return wire.requires_grad_(grad), ids
+
+    def _split(self, t: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.Tensor]]:
+        if t is None:
+            return [None] * len(sizes)
+        return [to_wire(part, self.wire_dtype) for part in t.split(sizes)]
+
+    def _forward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
+        wire, ids = self._inputs(batch, grad=False)
+        out = self.module(wire, ids[:, :-1])
+        return [{"wire": w} for w in self._split(out, sizes)]
+
+    def _backward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
+        wire, ids = self._inputs(batch, grad=True)
+        grad = torch.cat([from_wire(t.grad, self.device) for t in batch])
+        out = self.module(wire, ids[:, :-1])  # the recompute: stateless workers keep no activations
+        if grad.shape != out.shape:
+            raise ValueError(f"output gradient shape {tuple(grad.shape)} does not match the output {tuple(out.shape)}")
+        out.backward(grad)
+        grads = self._split(None if wire is None else wire.grad, sizes)
+        return [{"grad": g} if g is not None else {} for g in grads]
+
+    def _forward_backward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
+        wire, ids = self._inputs(batch, grad=True)
+        logits = self.module(wire, ids[:, :-1])
+        labels = ids[:, 1:]
+        losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                 reduction="none").view(labels.shape).mean(dim=1)
+        losses.sum().backward()  # each sample's mean loss, unscaled: the step divides by the count
+        grads = self._split(wire.grad, sizes)
+        per_sample = losses.detach().cpu().split(sizes)
+        return [{"grad": g, "loss": l} for g, l in zip(grads, per_sample)]
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def maybe_step(self) -> bool:
+        """Take the optimizer step if the stage collectively completed its batch (or a peer did)."""
+        if not self.progress.should_step():
+            return False
+        self.step()
+        return True
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Mean of the accumulated gradients, stage-wise clipping, AdamW at the schedule's rate."""
+        step = self.progress.step
+        contributed = self.progress.samples
+        norm = 0.0
+        has_grad = any(p.grad is not None for p in self.params)
+        if contributed > 0 and has_grad:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(contributed)
+            norm = clip_stage_(self.params, self.run.clip_threshold(self.index))
+            finite = math.isfinite(norm)
+            self.emit("gradients", finite=finite, step=step, grad_norm=norm)
+            if finite:
+                if self.master is not self.params:
+                    for m, p in zip(self.master, self.params):
+                        m.grad = None if p.grad is None else p.grad.to("cpu")
+                set_lr(self.optimizer, lr_at(self.run, step))
+                self.optimizer.step()
+                if self.master is not self.params:
+                    for m, p in zip(self.master, self.params):
+                        p.copy_(m, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        self.progress.advance()
+        self.progress_changed.set()
+        self.stats.steps.append([step, time.time(), contributed, norm])
+        self.emit("step", step=step, samples=contributed, grad_norm=norm)
+        for callback in list(self.step_callbacks):
+            callback(step, self)

@@ -1,0 +1,89 @@
+"""The trainer's virtual-runtime balancer (agoractl.algorithms.balancer). Pure: in-memory, no network,
+explicit clock."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from agoractl.algorithms.balancer import Balancer
+
+
+def drive(b: Balancer, n: int, speeds: dict[str, float], now: float = 0.0) -> Counter:
+    """Choose n times; each chosen worker completes one sample at its speed (samples/s)."""
+    got = Counter()
+    for _ in range(n):
+        peer = b.choose(now)
+        got[peer] += 1
+        b.record_success(peer, 1.0, 1.0 / speeds[peer])
+    return got
+
+
+def test_work_spreads_in_proportion_to_measured_speed():
+    b = Balancer(ban_s=10)
+    b.update({"fast": None, "slow": None}, now=0)
+    got = drive(b, 400, {"fast": 30.0, "slow": 10.0})
+    assert 2.5 < got["fast"] / got["slow"] < 3.5
+
+
+def test_equal_workers_alternate():
+    b = Balancer(ban_s=10)
+    b.update({"a": 5.0, "b": 5.0}, now=0)
+    got = drive(b, 10, {"a": 5.0, "b": 5.0})
+    assert got == {"a": 5, "b": 5}
+
+
+def test_newcomer_enters_level_with_the_most_loaded():
+    b = Balancer(ban_s=10)
+    b.update({"a": 1.0, "b": 1.0}, now=0)
+    for _ in range(20):
+        b.choose(0)
+    top = max(w.vruntime for w in b.workers.values())
+    b.update({"a": 1.0, "b": 1.0, "new": 1.0}, now=0)
+    assert b.workers["new"].vruntime == top
+    # level, not at zero: it shares the next choices instead of taking all of them
+    got = Counter(b.choose(0) for _ in range(6))
+    assert got["new"] == 2 and got["a"] == 2 and got["b"] == 2
+
+
+def test_banned_worker_is_skipped_until_the_ban_expires_then_re_enters_level():
+    b = Balancer(ban_s=5)
+    b.update({"a": 1.0, "b": 1.0}, now=0)
+    b.ban("a", now=0)
+    assert b.bans == 1 and b.is_banned("a", 1)
+    assert {b.choose(1) for _ in range(5)} == {"b"}
+    assert b.available(1) == ["b"]
+    assert b.choose(6) in {"a", "b"}  # ban over
+    assert b.workers["a"].vruntime >= b.workers["b"].vruntime - 1.0  # not flooded after its pause
+    got = Counter(b.choose(6) for _ in range(10))
+    assert abs(got["a"] - got["b"]) <= 2
+
+
+def test_exclude_and_nothing_available():
+    b = Balancer(ban_s=5)
+    b.update({"a": 1.0, "b": 1.0}, now=0)
+    assert b.choose(0, exclude={"a"}) == "b"
+    assert b.choose(0, exclude={"a", "b"}) is None
+    b.ban("a", 0)
+    b.ban("b", 0)
+    assert b.choose(1) is None
+
+
+def test_discovery_drops_vanished_workers_and_bans_unknown_peers():
+    b = Balancer(ban_s=5)
+    added, removed = b.update({"a": 1.0, "b": 1.0}, now=0)
+    assert sorted(added) == ["a", "b"] and removed == []
+    added, removed = b.update({"b": 1.0}, now=1)
+    assert added == [] and removed == ["a"]
+    assert {b.choose(1) for _ in range(3)} == {"b"}
+    b.ban("ghost", 1)  # a peer discovery still lists elsewhere is remembered as banned
+    b.update({"b": 1.0, "ghost": 1.0}, now=2)
+    assert b.is_banned("ghost", 2)
+
+
+def test_task_size_is_charged_by_throughput():
+    b = Balancer(ban_s=5)
+    b.update({"a": 2.0, "b": 2.0}, now=0)
+    assert b.choose(0, task_size=4.0) == "a"
+    assert b.workers["a"].vruntime == 2.0
+    assert b.choose(0, task_size=1.0) == "b"
+    assert b.choose(0, task_size=1.0) == "b"  # b at 0.5 < a at 2.0

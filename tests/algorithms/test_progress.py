@@ -1,0 +1,75 @@
+"""Collective stage progress (agoractl.algorithms.progress): when replicas step. Pure, in-memory."""
+
+from __future__ import annotations
+
+from agoractl.algorithms.progress import PeerProgress, StageProgress
+
+
+def test_a_lone_replica_steps_every_global_batch_exactly():
+    p = StageProgress(target=8, max_steps=3)
+    p.add(5)
+    assert p.room() == 3 and not p.should_step()
+    p.add(3)
+    assert p.should_step() and p.room() == 0
+    assert p.advance() == 8 and p.step == 1 and p.room() == 8
+    for _ in range(2):
+        p.add(8)
+        p.advance()
+    p.add(8)
+    assert p.finished and not p.should_step()  # never past max_steps
+
+
+def test_replicas_count_together():
+    a, b = StageProgress(8, 10), StageProgress(8, 10)
+    a.add(5)
+    b.add(3)
+    a.observe({"b": PeerProgress(b.step, b.total)})
+    b.observe({"a": PeerProgress(a.step, a.total)})
+    assert a.collective() == b.collective() == 8
+    assert a.should_step() and b.should_step()
+    assert a.advance() == 5 and b.advance() == 3  # each applies its own share of the batch
+
+
+def test_samples_seen_late_count_toward_the_next_step_not_the_current_one():
+    """A stale view makes a replica overshoot the batch; the excess is credited to the next step, so
+    over many steps the stage applies one global batch per step."""
+    a, b = StageProgress(8, 100), StageProgress(8, 100)
+    for _ in range(50):
+        for _ in range(6):  # a and b each serve 6 samples per round, seeing each other a round late
+            a.add(1)
+            b.add(1)
+            if a.should_step():
+                a.advance()
+            if b.should_step():
+                b.advance()
+        a.observe({"b": PeerProgress(b.step, b.total)})
+        b.observe({"a": PeerProgress(a.step, a.total)})
+    total = a.total + b.total
+    assert abs(a.step - total / 8) <= 1 and abs(b.step - a.step) <= 1
+
+
+def test_a_replica_behind_follows_the_one_ahead():
+    a = StageProgress(8, 10)
+    a.add(2)
+    a.observe({"b": PeerProgress(step=1, total=9)})
+    assert a.ahead() and a.should_step()
+    a.advance()
+    assert not a.should_step()  # a at step 1 with 11 samples seen: step 1 needs 16
+
+
+def test_a_departed_peer_keeps_its_count():
+    a = StageProgress(8, 10)
+    a.observe({"b": PeerProgress(0, 6)})
+    a.observe({})  # b's record expired: its samples still happened
+    assert a.collective() == 6 and a.peers == {}
+    a.add(2)
+    assert a.should_step()
+
+
+def test_a_joiner_starts_at_the_stage_step_and_counts_from_there():
+    joiner = StageProgress(8, 10, step=4)
+    assert joiner.collective() == 0 and joiner.room() == 8
+    joiner.observe({"old": PeerProgress(step=4, total=35)})  # 32 for steps 0-3, 3 toward step 4
+    assert joiner.collective() == 3
+    joiner.add(5)
+    assert joiner.should_step() and joiner.stage_step() == 4

@@ -1,0 +1,143 @@
+"""The worker's compute (agoractl.training.worker): coalescing, queue choice, step boundaries, and a
+pure pipeline of in-process workers matching the centralized reference step for step.
+In-process, no network (the multi-process swarm is tested in test_swarm.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from agoractl.manifest.loader import load_manifest
+from agoractl.training.central import clip_groups
+from agoractl.model.build import build_model
+from agoractl.model.llama import lm_loss, split_sample
+from agoractl.algorithms.optim import lr_at, make_optimizer, set_lr
+from agoractl.training.worker import Task, Worker
+from tests.conftest import MANIFESTS
+
+SMALL = ["model.seq_len=16", "training.global_batch_size=4", "workers.max_microbatch=8",
+         "training.max_steps=5", "training.schedule.warmup_steps=1"]
+
+
+def small_run(*extra):
+    return load_manifest(MANIFESTS / "local-cpu.yaml", SMALL + list(extra))
+
+
+def samples(n: int, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+
+
+class Box:
+    def __init__(self):
+        self.result = self.error = None
+        self.done = False
+
+    def __call__(self, result, error):
+        self.result, self.error, self.done = result, error, True
+
+
+def submit(w: Worker, method: str, ids, wire=None, grad=None) -> Box:
+    box = Box()
+    w.submit(Task(method, ids, wire, grad, box))
+    return box
+
+
+def call(w: Worker, method: str, ids, wire=None, grad=None) -> dict:
+    box = submit(w, method, ids, wire, grad)
+    while not box.done:
+        w.run_once(0.01)
+    if box.error is not None:
+        raise box.error
+    return box.result
+
+
+def test_coalescing_merges_queued_requests_and_splits_results_back():
+    run = small_run()
+    head = Worker(run, 0)
+    ids = samples(3)
+    alone = [call(head, "forward", ids[i:i + 1])["wire"] for i in range(3)]
+    boxes = [submit(head, "forward", ids[i:i + 1]) for i in range(3)]
+    assert head.run_once(0.01)  # one pass serves all three
+    assert all(b.done for b in boxes) and head.stats.max_coalesced == 3
+    for b, a in zip(boxes, alone):
+        assert b.result["wire"].shape == (1, 16, run.model.ssn.rank)
+        torch.testing.assert_close(b.result["wire"], a, rtol=1e-5, atol=1e-5)
+
+
+def test_the_queue_with_the_oldest_request_goes_first():
+    run = small_run()
+    body = Worker(run, 1)
+    ids = samples(2)
+    wire = torch.randn(1, 16, run.model.ssn.rank)
+    old = submit(body, "backward", ids[:1], wire, torch.randn(1, 16, run.model.ssn.rank))
+    new = submit(body, "forward", ids[1:], wire)
+    body.run_once(0.01)
+    assert old.done and not new.done
+    body.run_once(0.01)
+    assert new.done and old.result["grad"].shape == wire.shape
+
+
+def test_a_coalesced_batch_stops_at_the_step_boundary():
+    run = small_run()  # global batch 4, coalescing cap 8
+    tail = Worker(run, 2)
+    ids = samples(6)
+    wire = torch.randn(6, 16, run.model.ssn.rank)
+    boxes = [submit(tail, "forward_backward", ids[i:i + 1], wire[i:i + 1]) for i in range(6)]
+    tail.run_once(0.01)
+    assert sum(b.done for b in boxes) == 4 and tail.progress.step == 0
+    tail.run_once(0.01)  # steps first, then serves the other two toward step 1
+    assert all(b.done for b in boxes) and tail.progress.step == 1 and tail.progress.samples == 2
+    assert tail.stats.steps[0][2] == 4
+    assert all(float(b.result["loss"]) > 0 for b in boxes)
+
+
+def test_bad_requests_fail_without_killing_the_worker():
+    run = small_run()
+    body = Worker(run, 1)
+    box = submit(body, "forward", samples(1), torch.randn(1, 7, run.model.ssn.rank))
+    body.run_once(0.01)
+    assert isinstance(box.error, ValueError) and body.stats.failed_batches == 1
+    assert isinstance(submit(body, "forward_backward", samples(1)).error, ValueError)  # not the tail
+    ok = call(body, "forward", samples(1), torch.randn(1, 16, run.model.ssn.rank))
+    assert ok["wire"].shape == (1, 16, run.model.ssn.rank)
+
+
+def test_pure_pipeline_of_workers_matches_the_centralized_reference():
+    """One replica per stage, samples one at a time: after two steps the stage parameters equal the
+    monolithic model's trained on the same batches (same init, mean gradient, clipping, schedule)."""
+    run = small_run()
+    workers = [Worker(run, i) for i in range(3)]
+    data = samples(8, seed=1)
+    losses = []
+    for s in data:
+        ids = s[None]
+        w1 = call(workers[0], "forward", ids)["wire"]
+        w2 = call(workers[1], "forward", ids, w1)["wire"]
+        out = call(workers[2], "forward_backward", ids, w2)
+        losses.append(float(out["loss"]))
+        g1 = call(workers[1], "backward", ids, w1, out["grad"])["grad"]
+        assert "grad" not in call(workers[0], "backward", ids, None, g1)  # nothing flows out of the head
+    for w in workers:
+        w.maybe_step()
+        assert w.progress.step == 2 and [s[2] for s in w.stats.steps] == [4, 4]
+
+    model = build_model(run)
+    opt = make_optimizer(model.parameters(), run)
+    groups = clip_groups(run, model)
+    central_losses = []
+    for step, batch in enumerate(data.split(4)):
+        set_lr(opt, lr_at(run, step))
+        opt.zero_grad(set_to_none=True)
+        inputs, labels = split_sample(batch)
+        loss = lm_loss(model(inputs), labels)
+        loss.backward()
+        central_losses.append(float(loss.detach()))
+        for _, params, threshold in groups:
+            torch.nn.utils.clip_grad_norm_(params, threshold)
+        opt.step()
+    torch.testing.assert_close(sum(losses[:4]) / 4, central_losses[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(losses[4:]) / 4, central_losses[1], rtol=1e-4, atol=1e-4)
+    central = dict(model.named_parameters())
+    for w in workers:
+        for name, p in w.module.named_parameters():
+            # Adam turns float noise in near-zero gradients into small update differences: far below lr.
+            torch.testing.assert_close(p, central[name], rtol=0, atol=1e-4)
