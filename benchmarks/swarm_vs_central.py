@@ -110,7 +110,9 @@ def main(argv=None) -> int:
         agoractl("data", "sample", "--out", f"{tmp}/sample", "--rows", str(args.rows), "--files", "2")
         agoractl("shard", str(MANIFEST), *[a for s in data for a in ("--set", s)])
         overrides = [f"trainers.microbatch={args.microbatch}", f"trainers.in_flight={args.in_flight}"] + args.sets
-        sets = [a for s in data + [f"local.run_dir={tmp}/run"] + overrides for a in ("--set", s)]
+        # every artefact stays in the temporary directory, the checkpoint store included
+        sets = [a for s in data + [f"local.run_dir={tmp}/run", f"checkpoints.store={tmp}/store"] + overrides
+                for a in ("--set", s)]
         # The central reference's CPU per training step: a full run minus a one-step run (start-up, imports).
         one_step = agoractl("launch", "central", str(MANIFEST), *sets, "--set", "training.max_steps=1",
                             "--set", "training.schedule.warmup_steps=0")

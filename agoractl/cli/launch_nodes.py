@@ -201,10 +201,30 @@ def _render_swarm(r: dict) -> None:
                  f"({r['tokens_per_s']:,.0f} tokens/s); loss {first:.4f} -> {final:.4f}; "
                  f"{r['samples_lost']} samples lost")
     table = Table(show_edge=False)
-    for col in ("stage", "workers seen", "steps", "samples", "max coalesced", "retries", "bans", "bwd fallbacks"):
+    keys = set().union(*(s for s in r["stages"])) if r["stages"] else set()
+    health = next((cols for cols in _AVERAGING_COLUMNS.values() if cols[0][1] in keys), ())
+    for col in ("stage", "workers seen", "steps", "samples", "max coalesced", "retries", "bans", "bwd fallbacks",
+                *(title for title, _ in health)):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in r["stages"]:
         table.add_row(s["name"], str(s["workers_seen"]), str(s["steps"]), str(s["samples"]), str(s["max_coalesced"]),
-                      str(s["retries"]), str(s["bans"]), str(s["backward_fallbacks"]))
+                      str(s["retries"]), str(s["bans"]), str(s["backward_fallbacks"]),
+                      *(_cell(s.get(key)) for _, key in health))
     stdout.print(table)
     stdout.print(f"report: {r['report_path']}")
+
+
+_AVERAGING_COLUMNS = {  # the stage report's keys, by data_parallel.method
+    "sparta": (("avg rounds", "averaging_rounds"), ("avg success", "averaging_success_mean"),
+               ("failed rounds", "rounds_failed")),
+    "fgdiloco": (("outer rounds", "outer_rounds"), ("mix1 success", "mix1_success_mean"),
+                 ("mix2 success", "mix2_success_mean")),
+}
+"""The averaging health a swarm's summary shows per stage (report §5.7.1): SPARTA rounds, or FGDiLoCo's
+outer rounds and the success of its two mixes."""
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0%}" if isinstance(value, float) else str(value)
