@@ -1,7 +1,9 @@
-"""Known errors and their exit codes: 2 for usage and manifest errors, 1 for runtime failures.
+"""Domain errors: what went wrong, in one line, with an optional hint saying what to do next.
 
-A known error prints as one line (plus an optional hint saying what to do next); tracebacks are
-shown only with ``AGORA_DEBUG=1`` (see :mod:`agoractl.cli.main`).
+Library code raises these and knows nothing of processes or exit codes; the command line maps each
+kind to an exit code in one place (:data:`agoractl.cli.main.EXIT_CODES`: 2 for bad input, 1 for a
+runtime failure). A known error prints as one line (plus the hint); a traceback is shown only with
+``AGORA_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from typing import Optional
 class AgoraError(Exception):
     """Base of every error agoractl reports without a traceback."""
 
-    exit_code = 1
-
     def __init__(self, message: str, hint: Optional[str] = None):
         super().__init__(message)
         self.message = message
@@ -21,12 +21,8 @@ class AgoraError(Exception):
 
 
 class UsageError(AgoraError):
-    """Bad command-line arguments or an invalid manifest (exit code 2)."""
-
-    exit_code = 2
+    """The input is wrong: a command-line argument, a manifest, or a file given as one."""
 
 
 class RuntimeFailure(AgoraError):
-    """The command was well formed but could not be carried out (exit code 1)."""
-
-    exit_code = 1
+    """The input was well formed but the work could not be carried out (storage, network, a node died)."""

@@ -1,4 +1,9 @@
-"""The root of the ``agoractl`` command line: registers the command groups and maps errors to exit codes.
+"""The root of the ``agoractl`` command line: a table of command groups, loaded lazily, and the one
+place where errors become exit codes.
+
+A command group's module is imported only when that command runs (or its own ``--help`` is asked
+for), so the command modules and the library import what they need at the top, and
+``agoractl --help`` or ``agoractl manifest validate`` do not pay for torch or hivemind.
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid usage or manifest. A known error prints one line
 (and what to do next) on stderr; a traceback only with ``AGORA_DEBUG=1``.
@@ -6,33 +11,104 @@ Exit codes: 0 success, 1 runtime failure, 2 invalid usage or manifest. A known e
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from agoractl import __version__
-from agoractl.cli import analyze, checkpoint, data, demo, launch, manifest, ops, rotate, shard, simulate
-from agoractl.cli import launch_nodes  # noqa: F401  registers launch dht|worker|trainer|swarm on launch.app
-from agoractl.errors import AgoraError
+from agoractl.errors import AgoraError, RuntimeFailure, UsageError
+
+EXIT_CODES: tuple[tuple[type[AgoraError], int], ...] = ((UsageError, 2), (RuntimeFailure, 1), (AgoraError, 1))
+"""Domain error -> exit code, first match wins (the only place that decides an exit code)."""
+
+
+def exit_code(error: AgoraError) -> int:
+    """The exit code of a domain error (see :data:`EXIT_CODES`)."""
+    return next(code for kind, code in EXIT_CODES if isinstance(error, kind))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One command of the root: where it lives, and the line ``agoractl --help`` shows for it."""
+
+    module: str
+    attr: str
+    """A ``typer.Typer`` (a command group) or a function (a single command)."""
+    help: str
+    extra: tuple[str, ...] = ()
+    """Modules that register more commands on the group when imported."""
+
+
+COMMANDS: dict[str, Entry] = {
+    "manifest": Entry("agoractl.cli.manifest", "app",
+                      "Validate a run manifest, print its JSON Schema, or plan what it costs."),
+    "launch": Entry("agoractl.cli.launch", "app",
+                    "Start nodes of a run, a whole local swarm, or the centralized reference.",
+                    extra=("agoractl.cli.launch_nodes",)),  # launch dht|worker|trainer|swarm
+    "checkpoint": Entry("agoractl.cli.checkpoint", "app",
+                        "Publish, fetch and list stage checkpoints in checkpoints.store (local, file:// or s3://)."),
+    "analyze": Entry("agoractl.cli.analyze", "app",
+                     "Analyse a run's outputs: inter-replica divergence from replica snapshots."),
+    "data": Entry("agoractl.cli.data", "app", "Corpus utilities: the offline sample corpus in FineWeb-Edu's schema."),
+    "shard": Entry("agoractl.cli.shard", "shard",
+                   "Re-shard data.source into data.num_shards uniformly shuffled parquet shards plus index.json."),
+    "rotate-shards": Entry("agoractl.cli.rotate", "rotate_shards",
+                           "Fold trainers' consumption reports into ledger.json and reassign trainers whose "
+                           "shards are exhausted."),
+    "simulate": Entry("agoractl.cli.simulate", "simulate",
+                      "Train replicas in this process with the workers' own algorithm code and compare the "
+                      "variants."),
+    "ops": Entry("agoractl.cli.ops", "app", "Operate a running swarm: fault injection."),
+    "demo": Entry("agoractl.cli.demo", "demo",
+                  "Run the embedded default (manifests/local-cpu.yaml) end to end with the public commands."),
+}
+"""The root's commands, in ``--help`` order; each module is imported only when its command runs."""
+
+
+def load_command(name: str) -> TyperCommand | TyperGroup:
+    """Import the module of command `name` and build its click command, exactly as the root registers it."""
+    entry = COMMANDS[name]
+    target = getattr(importlib.import_module(entry.module), entry.attr)
+    for module in entry.extra:
+        importlib.import_module(module)
+    holder = typer.Typer(add_completion=False)
+    if isinstance(target, typer.Typer):
+        holder.add_typer(target, name=name)
+    else:
+        holder.command(name=name)(target)
+    return typer.main.get_group(holder).commands[name]
+
+
+class _LazyGroup(TyperGroup):
+    """A group whose commands are placeholders (name and help line) until one is invoked."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        for name, entry in COMMANDS.items():
+            self.commands[name] = TyperCommand(name, help=entry.help, short_help=entry.help)
+        self._loaded: set[str] = set()
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> tuple:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if name in COMMANDS and name not in self._loaded:
+            cmd = self.commands[name] = load_command(name)
+            self._loaded.add(name)
+        return name, cmd, rest
+
 
 app = typer.Typer(
     name="agoractl",
+    cls=_LazyGroup,
     help="Decentralized LLM pre-training, the Agora way: one run manifest, turned into actions.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.add_typer(manifest.app, name="manifest")
-app.add_typer(launch.app, name="launch")
-app.add_typer(checkpoint.app, name="checkpoint")
-app.add_typer(analyze.app, name="analyze")
-app.add_typer(data.app, name="data")
-app.command(name="shard")(shard.shard)
-app.command(name="rotate-shards")(rotate.rotate_shards)
-app.command(name="simulate")(simulate.simulate)
-app.add_typer(ops.app, name="ops")
-app.command(name="demo")(demo.demo)
 
 
 def _version(value: bool) -> None:
@@ -44,13 +120,13 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
-    from agoractl import logs
+    from agoractl import logs  # structlog: only when a command runs, not for --help
 
     logs.configure()
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: run the command, map every error to one line and an exit code."""
     debug = os.environ.get("AGORA_DEBUG") == "1"
     try:
         rc = app(standalone_mode=False)
@@ -61,7 +137,7 @@ def run() -> None:
         print(f"error: {e.message}", file=sys.stderr)
         if e.hint:
             print(f"hint: {e.hint}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        sys.exit(exit_code(e))
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -70,14 +146,12 @@ def run() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # click's usage errors first (typer bundles its own click), then the unexpected
-        if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
-            if debug:
-                raise
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:
         if debug:
             raise
+        if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
+            e.show()  # click's usage errors (typer bundles its own click): bad option, choice, argument
+            sys.exit(e.exit_code)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         print("hint: this is a bug or an unexpected environment; rerun with AGORA_DEBUG=1 for the traceback",
               file=sys.stderr)
