@@ -40,10 +40,13 @@ def validate(
             problems.extend(e.problems)
             results.append({"file": str(f), "valid": False,
                             "problems": [p.__dict__ for p in e.problems]})
-        except UsageError as e:
-            problems.append(Problem("<file>", e.message, str(f)))
+        except UsageError as e:  # the file itself: missing, binary, empty
+            if len(files) == 1 and not as_json:
+                raise  # one line and its hint
+            message = e.message.removeprefix(f"{f}: ")
+            problems.append(Problem("<file>", message, str(f)))
             results.append({"file": str(f), "valid": False,
-                            "problems": [{"path": "<file>", "message": e.message, "location": str(f)}]})
+                            "problems": [{"path": "<file>", "message": message, "location": str(f)}]})
     if as_json:
         emit({"files": results, "valid": not problems}, True)
     else:

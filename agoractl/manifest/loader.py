@@ -21,9 +21,10 @@ from typing import Any, Iterable, Optional, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError
+from ruamel.yaml.reader import ReaderError
 
 from agoractl.errors import UsageError
-from agoractl.manifest.schema import Run, cross_field_errors
+from agoractl.manifest.schema import API_VERSION, KIND, Run, cross_field_errors
 
 _SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 _PATH = re.compile(r"[^.\[\]=]+(\.[^.\[\]=]+|\[\d+\])*")
@@ -249,24 +250,40 @@ def validate_data(data: dict, source: str, set_paths: Iterable[str] = ()) -> Run
 
 
 def read_yaml(path: Path) -> dict:
+    """The manifest's YAML tree; one-line UsageError for a missing, unreadable, binary or empty file."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UsageError(f"{path}: no such manifest file", hint="pass a path to a run manifest (YAML)")
+        raise UsageError(f"{path}: no such manifest file", hint="pass a path to a run manifest (YAML)") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, not a manifest file",
+                         hint="pass a path to a run manifest (YAML)") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 YAML (byte 0x{e.object[e.start]:02x} at offset {e.start})",
+                         hint="pass a run manifest: a YAML text file") from None
     except OSError as e:
-        raise UsageError(f"{path}: cannot read the manifest: {e.strerror}")
+        raise UsageError(f"{path}: cannot read the manifest: {e.strerror}") from None
     try:
         data = _yaml().load(text)
+    except ReaderError as e:  # control characters: a binary file that happens to decode as UTF-8
+        raise UsageError(f"{path}: not UTF-8 YAML (character {_char(e.character)} at offset {e.position}: {e.reason})",
+                         hint="pass a run manifest: a YAML text file") from None
     except MarkedYAMLError as e:
         line = e.problem_mark.line + 1 if e.problem_mark else "?"
         raise ManifestError(str(path), [Problem("<yaml>", str(e.problem), f"{path}:{line}")])
     except Exception as e:  # ruamel raises several non-Marked errors for duplicate keys etc.
         raise ManifestError(str(path), [Problem("<yaml>", str(e).splitlines()[0], str(path))])
-    if data is None:
-        data = {}
+    if data is None or data == {}:
+        raise UsageError(f"{path}: the manifest is empty: apiVersion and kind are missing",
+                         hint=f"start it with 'apiVersion: {API_VERSION}' and 'kind: {KIND}' "
+                              "(see manifests/local-cpu.yaml)")
     if not isinstance(data, dict):
         raise ManifestError(str(path), [Problem("<root>", "a manifest is a YAML mapping", f"{path}:1")])
     return data
+
+
+def _char(c: Any) -> str:
+    return f"#x{ord(c):04x}" if isinstance(c, str) else f"#x{c:02x}" if isinstance(c, int) else repr(c)
 
 
 def load_manifest(path: str | Path, overrides: Iterable[str] = ()) -> Run:

@@ -62,3 +62,15 @@ def test_usage_errors_exit_2(cli, tmp_path):
 def test_debug_shows_traceback(cli, tmp_path):
     proc = cli("manifest", "plan", tmp_path / "missing.yaml", env={"AGORA_DEBUG": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_empty_and_binary_manifests_one_line_exit_2(cli, tmp_path):
+    empty, binary = tmp_path / "empty.yaml", tmp_path / "model.safetensors"
+    empty.write_text("")
+    binary.write_bytes(bytes(range(256)) * 4)
+    for command in ("validate", "plan"):
+        err = cli("manifest", command, empty, check=2).stderr
+        assert err.splitlines()[0] == f"error: {empty}: the manifest is empty: apiVersion and kind are missing"
+        err = cli("manifest", command, binary, check=2).stderr
+        assert err.splitlines()[0].startswith(f"error: {binary}: not UTF-8 YAML (")
+        assert "this is a bug" not in err and "Traceback" not in err and len(err.splitlines()) == 2

@@ -111,6 +111,27 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_manifest(p)
 
 
-def test_empty_manifest_is_the_default_run(tmp_path):
-    run = load_manifest(write(tmp_path, ""))
+def test_header_only_manifest_is_the_default_run(tmp_path):
+    # An empty file used to be the default run; issue 14 made it an error naming apiVersion and kind.
+    run = load_manifest(write(tmp_path, "apiVersion: agoractl/v1\nkind: Run\n"))
     assert run.stage_names() == ["head", "body-1", "tail"]
+
+
+@pytest.mark.parametrize("text", ["", "# a comment and nothing else\n", "{}\n"])
+def test_empty_manifest_names_apiversion_and_kind(tmp_path, text):
+    p = write(tmp_path, text)
+    with pytest.raises(UsageError) as e:
+        load_manifest(p)
+    assert not isinstance(e.value, ManifestError)
+    assert e.value.message == f"{p}: the manifest is empty: apiVersion and kind are missing"
+    assert "apiVersion: agoractl/v1" in e.value.hint
+
+
+@pytest.mark.parametrize("blob", [b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", b"apiVersion: agoractl/v1\n\x00\x01\x02"])
+def test_binary_file_is_not_utf8_yaml(tmp_path, blob):
+    p = tmp_path / "weights.bin"
+    p.write_bytes(blob)
+    with pytest.raises(UsageError) as e:
+        load_manifest(p)
+    assert e.value.message.startswith(f"{p}: not UTF-8 YAML (")
+    assert "\n" not in e.value.message
