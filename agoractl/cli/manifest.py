@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
-from agoractl.cli.output import emit, human_bytes, human_count, stdout
+from agoractl.cli.output import emit, human_bytes, human_count, human_rate, stdout
 from agoractl.errors import UsageError
 from agoractl.manifest.loader import ManifestError, Problem
 from agoractl.manifest.plan import make_plan
@@ -90,7 +90,7 @@ def _render(p: dict) -> None:
         bw = s["required_bandwidth_mbps"]
         t.add_row(s["name"], s["role"], f"{s['layers'][0]}-{s['layers'][1] - 1}", human_count(s["params"]),
                   human_count(s["dense_params"]), human_bytes(s["memory_bytes"]),
-                  human_bytes(s["sparta_bytes_per_round"]), f"{bw['bf16']:.0f}", f"{bw['fp32']:.0f}")
+                  human_bytes(s["sparta_bytes_per_round"]), human_rate(bw["bf16"]), human_rate(bw["fp32"]))
     t.add_row("total", "", "", human_count(p["params"]), human_count(p["dense_params"]), "", 
               human_bytes(p["sparta_bytes_per_round"]), "", "")
     stdout.print(t)
@@ -98,5 +98,5 @@ def _render(p: dict) -> None:
     stdout.print(f"boundary: {b['dense']} B/token dense, {b['compressed']} B/token with SSN "
                  f"({b['ratio']:.1f}x), plus {b['token_id_bytes']} B of token id")
     bw = p["required_bandwidth_mbps"]
-    stdout.print(f"bandwidth per node ({bw['stage']}): {bw['bf16']:.0f} Mbit/s with a bf16 all-reduce, "
-                 f"{bw['fp32']:.0f} Mbit/s with fp32")
+    stdout.print(f"bandwidth per node ({bw['stage']}): {human_rate(bw['bf16'])} Mbit/s with a bf16 all-reduce, "
+                 f"{human_rate(bw['fp32'])} Mbit/s with fp32")

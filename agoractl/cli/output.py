@@ -43,3 +43,12 @@ def human_count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
     return f"{n:.0f}"
+
+
+def human_rate(mbps: float) -> str:
+    """Mbit/s with three significant digits below 100 (a tiny run needs 0.402, not 0), whole above."""
+    if mbps == 0 or abs(mbps) >= 100:
+        return f"{mbps:.0f}"
+    if abs(mbps) < 0.001:
+        return f"{mbps:.2e}"
+    return f"{mbps:.3g}"

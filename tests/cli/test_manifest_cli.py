@@ -74,3 +74,14 @@ def test_empty_and_binary_manifests_one_line_exit_2(cli, tmp_path):
         err = cli("manifest", command, binary, check=2).stderr
         assert err.splitlines()[0].startswith(f"error: {binary}: not UTF-8 YAML (")
         assert "this is a bug" not in err and "Traceback" not in err and len(err.splitlines()) == 2
+
+
+def test_plan_shows_tiny_bandwidth_with_precision(cli):
+    # local-cpu needs ~0.4 Mbit/s per node: the table and summary once rounded that to "0".
+    doc = json.loads(cli("manifest", "plan", MANIFESTS / "local-cpu.yaml", "--json", check=0).stdout)
+    bw = doc["required_bandwidth_mbps"]
+    assert 0.1 < bw["bf16"] < 1
+    out = cli("manifest", "plan", MANIFESTS / "local-cpu.yaml", check=0).stdout
+    assert f"{bw['bf16']:.3g} Mbit/s with a bf16 all-reduce, {bw['fp32']:.3g} Mbit/s with fp32" in out
+    big = cli("manifest", "plan", MANIFESTS / "pluralis-8b.yaml", check=0).stdout
+    assert "113 Mbit/s with a bf16 all-reduce, 186 Mbit/s with fp32" in big
