@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load, stage_index
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load, stage_index
 from agoractl.cli.output import emit, note, stdout
 
 app = typer.Typer(
@@ -41,7 +41,7 @@ def divergence(
         show_default=False)] = None,
     probe_batch: Annotated[int, typer.Option("--probe-batch", help="Sequences in the probe batch.")] = 8,
     js: Annotated[bool, typer.Option("--js/--no-js", help="Compute the JS distance (runs the model).")] = True,
-    device: Annotated[str, typer.Option("--device", help="Torch device for the JS evaluation.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="Torch device for the JS evaluation: cpu, cuda or cuda:N.")] = "cpu",
     plot: Annotated[Optional[str], typer.Option("--plot", help="Write figures 28-29 of the stage to this PNG.",
                                                 show_default=False)] = None,
     set_: SetOpt = None,
@@ -52,6 +52,7 @@ def divergence(
 
     run = load(file, set_)
     stage_index(run, stage)
+    check_device(device)
     if plot and not plot.lower().endswith(".png"):
         raise UsageError(f"--plot {plot}: the plot is a PNG; give a path ending in .png")
     from agoractl.ops.analyze import analyze_divergence  # torch: after the usage checks

@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 
 from agoractl import storage
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load, stage_index
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, StageOpt, load, stage_index
 from agoractl.cli.output import emit, human_bytes, note, stdout
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
@@ -31,8 +31,6 @@ app = typer.Typer(
            "  agoractl checkpoint publish manifests/local-cpu.yaml --stage head --from ckpt/ --step 100",
 )
 
-StageOpt = Annotated[str, typer.Option("--stage", help="Stage name (see `agoractl manifest plan FILE`).",
-                                       show_default=False)]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="Training step of the checkpoint.", show_default=False)]
 
 

@@ -4,17 +4,13 @@ centralized reference. Thin: parse, call the runtime, render."""
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Annotated, Optional
 
 import typer
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load
 from agoractl.cli.output import emit, note, stdout
 from agoractl.errors import UsageError
-
-DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
-"""What ``--device`` accepts (checked before torch is imported)."""
 
 app = typer.Typer(help="Start nodes of a run, a whole local swarm, or the centralized reference.",
                   no_args_is_help=True)
@@ -43,8 +39,7 @@ def central(
     if run.model.family != "llama":
         raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
                          hint="use a manifest with model.family: llama")
-    if not DEVICE_NAME.fullmatch(device):
-        raise UsageError(f"--device {device}: not a device name", hint="use auto, cpu, cuda or cuda:N")
+    check_device(device, allow_auto=True)
     from agoractl.data.index import read_index
 
     read_index(run.data.output)  # a missing shard index: one line, before torch is imported

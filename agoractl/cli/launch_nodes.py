@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load
 from agoractl.cli.launch import app
 from agoractl.cli.output import emit, note, stdout
 from agoractl.errors import UsageError
@@ -58,8 +58,9 @@ def worker(
     stage: Annotated[str, typer.Option(help="Stage to serve: a stage name, or auto (the fewest live replicas).")],
     set_: SetOpt = None,
     initial_peers: PeersOpt = None,
-    role: Annotated[str, typer.Option(help="operator (reduces in averaging) or contributor (only sends).")] = "operator",
-    device: Annotated[str, typer.Option(help="cpu or cuda (master weights and AdamW moments stay on the CPU).")] = "cpu",
+    role: RoleOpt = Role.operator,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (master weights and AdamW moments stay on the "
+                                             "CPU).")] = "cpu",
     stats: StatsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -67,17 +68,15 @@ def worker(
     stage reaches training.max_steps and falls idle, or Ctrl-C / SIGTERM."""
     run = load(manifest, set_)
     # Checked before importing the runtime (hivemind and torch take seconds to import).
-    if stage != "auto" and stage not in run.stage_names():
-        raise UsageError(f"--stage {stage}: no such stage; stages are {', '.join(run.stage_names())} (or auto)")
-    if role not in ("operator", "contributor"):
-        raise UsageError(f"--role {role}: choose operator or contributor")
+    check_stage(run, stage, allow_auto=True)
+    check_device(device)
     from agoractl.runtime import node
 
     node.require_peers(initial_peers or run.network.initial_peers, "worker")
     from agoractl.runtime.worker_node import WorkerNode
 
     _threads(run)
-    result = WorkerNode(run, stage, initial_peers or run.network.initial_peers, role=role, device=device,
+    result = WorkerNode(run, stage, initial_peers or run.network.initial_peers, role=role.value, device=device,
                         stats_path=stats).serve()
     emit({k: result[k] for k in ("stage", "peer", "step", "forward_samples", "backward_samples", "max_coalesced")},
          as_json, lambda r: stdout.print(f"worker of {r['stage']}: step {r['step']}, {r['backward_samples']} "

@@ -150,9 +150,26 @@ def run() -> None:
         if debug:
             raise
         if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
-            e.show()  # click's usage errors (typer bundles its own click): bad option, choice, argument
+            # click's usage errors (typer bundles its own click): bad option, choice, argument
+            _usage_error(e)
             sys.exit(e.exit_code)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         print("hint: this is a bug or an unexpected environment; rerun with AGORA_DEBUG=1 for the traceback",
               file=sys.stderr)
         sys.exit(1)
+
+
+def _usage_error(e: Exception) -> None:
+    """A usage error found by click (unknown option, a value not among an Enum's, a missing argument) as
+    the same one line and hint as every other error; a group called without a command shows its help."""
+    ctx = getattr(e, "ctx", None)
+    if ctx is None or type(e).__name__ == "NoArgsIsHelpError":
+        e.show()
+        return
+    names = []
+    while ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    print(f"error: {e.format_message().replace('Value error, ', '')}", file=sys.stderr)
+    print(f"hint: `{' '.join(['agoractl', *reversed(names)])} --help` lists the arguments, options and their values",
+          file=sys.stderr)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import ArParams, JsonOpt, ManifestArg, SetOpt, load
 from agoractl.cli.output import emit, human_bytes, human_count, human_rate, stdout
 from agoractl.errors import UsageError
 from agoractl.manifest.loader import ManifestError, Problem
@@ -71,14 +71,12 @@ def plan(
     a_f: Annotated[float, typer.Option(help="Forward activation payloads per second (report §3.5.2.1).")] = 3.0,
     a_b: Annotated[float, typer.Option(help="Backward activation payloads per second.")] = 3.0,
     ar_time: Annotated[float, typer.Option(help="Seconds an all-reduce round may take.")] = 10.0,
-    ar_params: Annotated[str, typer.Option(
-        help="Parameters in the all-reduce payload: dense (the report's worst case) or trainable.")] = "dense",
+    ar_params: Annotated[ArParams, typer.Option(
+        help="Parameters in the all-reduce payload: dense (the report's worst case) or trainable.")] = ArParams.dense,
 ) -> None:
     """Stages, parameters, memory per worker, boundary bytes, SPARTA payload, bandwidth per node."""
-    if ar_params not in ("dense", "trainable"):
-        raise UsageError(f"--ar-params must be dense or trainable; got {ar_params!r}")
     run = load(file, set_)
-    emit(make_plan(run, a_f, a_b, ar_time, ar_params), as_json, _render)
+    emit(make_plan(run, a_f, a_b, ar_time, ar_params.value), as_json, _render)
 
 
 def _render(p: dict) -> None:

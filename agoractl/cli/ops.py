@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import FaultPoint, JsonOpt, ManifestArg, Role, SetOpt, check_stage, load
 from agoractl.cli.output import emit, note, stdout
 from agoractl.errors import RuntimeFailure, UsageError
 
@@ -54,11 +54,11 @@ def preempt(
     manifest: ManifestArg,
     stage: Annotated[str, typer.Option(help="Stage whose workers to preempt.", show_default=False)],
     count: Annotated[int, typer.Option(help="Workers to preempt (fewer if fewer are eligible).", min=1)] = 1,
-    during: Annotated[str, typer.Option(help="send: after a worker's first chunk went out; reduce: a reducer "
-                                             "holding its first reduced chunk (operators only).")] = "send",
-    role: Annotated[Optional[str], typer.Option(help="Only workers of this role: operator or contributor "
-                                                     "(default: any for send, operator for reduce).",
-                                                show_default=False)] = None,
+    during: Annotated[FaultPoint, typer.Option(help="send: after a worker's first chunk went out; reduce: a reducer "
+                                                    "holding its first reduced chunk (operators only).")] = FaultPoint.send,
+    role: Annotated[Optional[Role], typer.Option(help="Only workers of this role "
+                                                      "(default: any for send, operator for reduce).",
+                                                 show_default=False)] = None,
     ttl_s: Annotated[float, typer.Option("--ttl-s", help="Seconds the signal stays in the DHT.", min=1)] = 600.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the random choice of targets.",
                                                 show_default=False)] = None,
@@ -70,12 +70,8 @@ def preempt(
     from agoractl.runtime import faults
 
     run = load(manifest, set_)
-    if stage not in run.stage_names():
-        raise UsageError(f"--stage {stage}: no such stage; stages are {', '.join(run.stage_names())}")
-    if during not in faults.FAULT_POINTS:
-        raise UsageError(f"--during {during}: choose send or reduce")
-    if role not in (None, "operator", "contributor"):
-        raise UsageError(f"--role {role}: choose operator or contributor")
+    check_stage(run, stage)
+    during, role = during.value, role.value if role else None
     if during == "reduce" and role == "contributor":
         raise UsageError("--during reduce hits reducers, and contributors never reduce", hint="use --role operator")
     if run.data_parallel.method != "sparta":

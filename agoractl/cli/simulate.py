@@ -13,11 +13,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
+from agoractl.cli.common import GlobalMixing, JsonOpt, ManifestArg, Scenario, SetOpt, SimData, load
 from agoractl.cli.output import emit, note, stdout
 from agoractl.errors import UsageError
 
-SCENARIOS = ("fgdiloco", "sparta-backward", "sparta-participation")
 FG, SP = "FGDiLoCo scenario", "SPARTA scenarios"
 
 
@@ -39,14 +38,14 @@ def _positive(value: int, option: str, minimum: int = 1) -> None:
 
 def simulate(
     file: ManifestArg,
-    scenario: Annotated[str, typer.Option(help=f"One of {', '.join(SCENARIOS)}.", show_default=False)],
+    scenario: Annotated[Scenario, typer.Option(help="The ablation to run.", show_default=False)],
     set_: SetOpt = None,
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot of the curves here.")] = None,
     replicas: Annotated[int, typer.Option(help="Replicas (FGDiLoCo: full models; SPARTA: per stage).")] = 4,
-    data: Annotated[str, typer.Option(
+    data: Annotated[SimData, typer.Option(
         help="auto: the run's shards if <data.output>/index.json exists, else synthetic lesson text in memory; "
-             "shards; synthetic.")] = "auto",
+             "shards; synthetic.")] = SimData.auto,
     probe_samples: Annotated[int, typer.Option(help="Held-out samples for eval loss and JS distance.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of data order, routing, matchings and failures.")] = 0,
     rounds: Annotated[int, typer.Option(help="Outer rounds per variant.", rich_help_panel=FG)] = 15,
@@ -68,10 +67,10 @@ def simulate(
         help="Compute seconds per inner step in the time model: a number, 'seed' (calibrated to the seed's "
              "29 vs 16 weeks for DiLoCo vs GlobalM1 at 200 Mbit/s, M=8, H=100) or 'measured' (this machine, "
              "simulated model and replicas).", rich_help_panel=FG)] = "seed",
-    global_mixing: Annotated[str, typer.Option(
+    global_mixing: Annotated[GlobalMixing, typer.Option(
         help="Cost of a global mixing in the time model: all-to-all (the seed's gossip accounting, an exchange "
              "with each of the M-1 others) or butterfly (bandwidth-optimal all-reduce, 2(M-1)/M payloads).",
-        rich_help_panel=FG)] = "all-to-all",
+        rich_help_panel=FG)] = GlobalMixing.all_to_all,
     time_inner_steps: Annotated[int, typer.Option(
         help="Inner steps one simulated round stands for in the time model (the seed's H); ignored with "
              "--step-time-s measured.", rich_help_panel=FG)] = 100,
@@ -97,16 +96,13 @@ def simulate(
 
       agoractl simulate manifests/local-cpu.yaml --scenario sparta-backward --plot backward.png
     """
-    if scenario not in SCENARIOS:
-        raise UsageError(f"--scenario: unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
+    scenario, data, global_mixing = scenario.value, data.value, global_mixing.value
     run = load(file, set_)
     _positive(replicas, "--replicas", 2)
     _positive(probe_samples, "--probe-samples")
     for value, option in ((rounds, "--rounds"), (steps, "--steps"), (microbatch, "--microbatch"),
                           (bytes_per_param, "--bytes-per-param"), (time_inner_steps, "--time-inner-steps")):
         _positive(value, option)
-    if data not in ("auto", "shards", "synthetic"):
-        raise UsageError(f"--data: one of auto, shards, synthetic; got {data!r}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise UsageError(f"--plot: {plot} must end in .png")
     if plot is not None and not plot.resolve().parent.is_dir():
@@ -136,8 +132,6 @@ def simulate(
         payload = None if payload_params == "model" else _floats(payload_params, "--payload-params", 0, float("inf"))[0]
         step_time = (None if step_time_s == "measured" else step_time_s if step_time_s == "seed" else
                      _floats(step_time_s, "--step-time-s", 0, float("inf"))[0])
-        if global_mixing not in scenarios.GLOBAL_MIXING:
-            raise UsageError(f"--global-mixing: one of {', '.join(scenarios.GLOBAL_MIXING)}; got {global_mixing!r}")
         result = scenarios.fgdiloco(run, variants=names, rounds=rounds, inner_steps=inner_steps, batch=batch,
                                     bandwidths_mbps=bws, latency_ms=latency_ms, payload_params=payload,
                                     bytes_per_param=bytes_per_param, step_time_s=step_time,

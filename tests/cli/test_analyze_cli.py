@@ -41,7 +41,7 @@ def test_divergence_json_plot_and_table(cli, tmp_path):
 def test_divergence_bad_requests(cli, tmp_path):
     sets = ["--set", f"checkpoints.store={tmp_path}/store"]
     r = cli("analyze", "divergence", FILE, "--stage", "middle", *sets, check=2)
-    assert "no stage 'middle'" in r.stderr
+    assert "--stage middle: no such stage; stages are head, body-1, tail" in r.stderr
     r = cli("analyze", "divergence", FILE, "--stage", "head", *sets, check=1)
     assert "no replica snapshots of stage head" in r.stderr and "snapshots_every_steps" in r.stderr
     assert "Traceback" not in r.stderr

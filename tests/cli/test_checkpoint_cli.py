@@ -69,7 +69,7 @@ def test_bad_input_is_exit_2(cli, tmp_path):
     sets = ["--set", f"checkpoints.store={tmp_path / 'store'}"]
     _write_dir(tmp_path / "src")
     r = cli("checkpoint", "publish", FILE, "--stage", "nope", "--from", tmp_path / "src", "--step", 1, *sets, check=2)
-    assert "no stage 'nope'" in r.stderr
+    assert "--stage nope: no such stage; stages are head, body-1, tail" in r.stderr
     r = cli("checkpoint", "publish", FILE, "--stage", "tail", "--from", tmp_path / "src", "--step", 1, *sets, check=2)
     assert "not a checkpoint of stage tail" in r.stderr
     (tmp_path / "empty").mkdir()

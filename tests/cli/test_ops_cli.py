@@ -54,7 +54,7 @@ def test_preempt_with_nobody_eligible_is_a_runtime_error(cli, dht_with_workers):
 @pytest.mark.parametrize("args, message", [
     (["--stage", "nope"], "--stage nope: no such stage"),
     (["--stage", "tail", "--during", "reduce", "--role", "contributor"], "contributors never reduce"),
-    (["--stage", "tail", "--during", "later"], "--during later"),
+    (["--stage", "tail", "--during", "later"], "error: Invalid value for '--during': 'later' is not one of 'send', 'reduce'."),
     (["--stage", "tail", "--set", "local.run_dir=/nonexistent/run"], "no DHT to join"),
 ])
 def test_usage_errors(cli, args, message):

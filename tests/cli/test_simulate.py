@@ -81,13 +81,14 @@ def test_uses_the_runs_shards(cli, tmp_path):
 
 def test_bad_input_is_one_line(cli, tmp_path):
     cases = [
-        (["--scenario", "nope"], "--scenario: unknown scenario 'nope'"),
+        (["--scenario", "nope"], "error: Invalid value for '--scenario': 'nope' is not one of 'fgdiloco', "),
         (["--scenario", "sparta-participation", "--participation", "1.5"], "--participation"),
         (["--scenario", "fgdiloco", "--variants", "diloco,gossip"], "--variants: unknown gossip"),
         (["--scenario", "fgdiloco", "--replicas", "1"], "--replicas must be at least 2"),
         (["--scenario", "fgdiloco", "--plot", str(tmp_path / "missing" / "x.png")], "--plot: directory"),
         (["--scenario", "fgdiloco", "--step-time-s", "fast"], "--step-time-s"),
-        (["--scenario", "fgdiloco", "--global-mixing", "ring"], "--global-mixing: one of butterfly, all-to-all"),
+        (["--scenario", "fgdiloco", "--global-mixing", "ring"],
+         "error: Invalid value for '--global-mixing': 'ring' is not one of 'butterfly', 'all-to-all'."),
     ]
     for args, message in cases:
         proc = cli("simulate", MANIFEST, *args, check=2)
