@@ -15,6 +15,7 @@ from rich.table import Table
 
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load, stage_index
 from agoractl.cli.output import emit, note, stdout
+from agoractl.errors import UsageError
 
 app = typer.Typer(
     help="Analyse a run's outputs: inter-replica divergence from replica snapshots.",
@@ -48,8 +49,6 @@ def divergence(
     as_json: JsonOpt = False,
 ) -> None:
     """Per-segment inter-replica variance, consensus movement, pairwise L2 and JS distance per step."""
-    from agoractl.errors import UsageError
-
     run = load(file, set_)
     stage_index(run, stage)
     check_device(device)

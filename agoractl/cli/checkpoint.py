@@ -20,8 +20,8 @@ from agoractl.cli.output import emit, human_bytes, note, stdout
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
 
-# torch, safetensors and the store are imported inside the commands: the root imports every command
-# group, and `agoractl manifest validate` should not pay for torch.
+# torch, safetensors and the store are imported inside the commands, after the usage checks: a wrong
+# --stage or manifest comes back in about a second, and `checkpoint list|fetch` never import torch.
 
 app = typer.Typer(
     help="Publish, fetch and list stage checkpoints in checkpoints.store (local, file:// or s3://).",

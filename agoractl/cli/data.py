@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +12,9 @@ from rich.table import Table
 
 from agoractl.cli.common import JsonOpt
 from agoractl.cli.output import emit, human_bytes, stdout
+from agoractl.data.sample import write_sample
 from agoractl.errors import UsageError
+from agoractl.manifest.loader import load_manifest
 
 app = typer.Typer(
     help="Corpus utilities: the offline sample corpus in FineWeb-Edu's schema.",
@@ -29,8 +33,6 @@ def sample(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a corpus offline: templated English lessons a tiny model learns within ~100 steps."""
-    from agoractl.data.sample import write_sample
-
     if rows < 1:
         raise UsageError(f"--rows must be at least 1; got {rows}")
     if files < 1 or files > rows:
@@ -54,11 +56,6 @@ def _render(data: dict) -> None:
 def demo_steps(manifest: Path) -> list[list[str]]:
     """The demo's data steps: write the sample corpus where data.source points (when it is a local
     glob or directory), then re-shard it."""
-    import glob
-    import os
-
-    from agoractl.manifest.loader import load_manifest
-
     source = load_manifest(manifest, []).data.source
     out = []
     if "://" not in source:

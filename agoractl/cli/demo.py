@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from agoractl.cli.data import demo_steps as data_steps
 from agoractl.errors import RuntimeFailure, UsageError
 
 DEFAULT_MANIFEST = "local-cpu.yaml"
@@ -36,8 +37,6 @@ def default_manifest() -> Path:
 
 def steps(manifest: Path) -> list[list[str]]:
     """The demo's command lines, in order. Each capability adds its step here."""
-    from agoractl.cli.data import demo_steps as data_steps
-
     m = str(manifest)
     return [
         ["manifest", "validate", m],

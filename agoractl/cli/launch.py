@@ -1,5 +1,6 @@
 """``agoractl launch ...``: start nodes of a run (dht, worker, trainer), a whole local swarm, or the
-centralized reference. Thin: parse, call the runtime, render."""
+centralized reference. Thin: parse, call the runtime, render. torch and the runtime (hivemind) are
+imported inside each command after its usage checks, so a wrong option or manifest comes back at once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import typer
 
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load
 from agoractl.cli.output import emit, note, stdout
+from agoractl.data.index import read_index
 from agoractl.errors import UsageError
 
 app = typer.Typer(help="Start nodes of a run, a whole local swarm, or the centralized reference.",
@@ -40,8 +42,6 @@ def central(
         raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
                          hint="use a manifest with model.family: llama")
     check_device(device, allow_auto=True)
-    from agoractl.data.index import read_index
-
     read_index(run.data.output)  # a missing shard index: one line, before torch is imported
     import torch
 

@@ -7,13 +7,18 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from typing import Annotated, Optional
 
 import typer
+from rich.live import Live
+from rich.table import Table
+
+from agoractl import logs
 
 from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load
 from agoractl.cli.launch import app
-from agoractl.cli.output import emit, note, stdout
+from agoractl.cli.output import emit, note, stderr, stdout
 from agoractl.errors import UsageError
 
 PeersOpt = Annotated[Optional[list[str]], typer.Option(
@@ -87,8 +92,6 @@ def worker(
 
 def _self_terminated(termination: dict) -> None:
     """One final log line naming the rule, then the rule's exit code (report §3.3.1.6)."""
-    from agoractl import logs
-
     logs.get("worker").error("self-termination", rule=termination["rule"], exit_code=termination["exit_code"],
                              message=termination["message"])
     raise typer.Exit(termination["exit_code"])
@@ -157,10 +160,6 @@ class _Progress:
 
     def __enter__(self):
         if self.live:
-            from rich.live import Live
-
-            from agoractl.cli.output import stderr
-
             self._live = Live(console=stderr, refresh_per_second=2, transient=True)
             self._live.__enter__()
         return self
@@ -170,16 +169,12 @@ class _Progress:
             self._live.__exit__(*exc)
 
     def update(self, status: dict) -> None:
-        import time
-
         loss = "-" if status["loss"] is None else f"{status['loss']:.4f}"
         workers = " ".join(f"{s}:{v['live']}" for s, v in status["stages"].items())
         line = (f"step {status['step']}/{status['max_steps']}  loss {loss}  "
                 f"{status['tokens_per_s']:,.0f} tok/s  workers {workers}  "
                 f"samples {status['completed_samples']} (lost {status['lost_samples']})")
         if self._live is not None:
-            from rich.table import Table
-
             table = Table(title=line, show_edge=False)
             for col in ("stage", "live workers", "step", "samples", "max coalesced"):
                 table.add_column(col, justify="right" if col != "stage" else "left")
@@ -192,8 +187,6 @@ class _Progress:
 
 
 def _render_swarm(r: dict) -> None:
-    from rich.table import Table
-
     first = r["loss"][0][1] if r["loss"] else float("nan")
     final = r["final_loss"] if r["final_loss"] is not None else float("nan")
     stdout.print(f"{r['name']}: {r['steps']} steps, {r['tokens']:,} tokens in {r['elapsed_s']:.1f} s "

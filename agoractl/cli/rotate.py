@@ -9,6 +9,8 @@ from rich.table import Table
 
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
 from agoractl.cli.output import emit, note, stdout
+from agoractl.data.index import read_index
+from agoractl.data.ledger import rotate_shards as rotate
 
 
 def rotate_shards(
@@ -25,9 +27,6 @@ def rotate_shards(
     its shards are. Exhausted trainers get the next unassigned shards in order; the others are left
     alone. Live trainers pick the new assignment up without a restart.
     """
-    from agoractl.data.index import read_index
-    from agoractl.data.ledger import rotate_shards as rotate
-
     run = load(file, set_)
     index = read_index(run.data.output)
     data = rotate(run.data.output, index, run.trainers.count, run.trainers.shards_per_trainer, run.model.seq_len,

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
 from agoractl.cli.output import emit, human_bytes, human_count, stderr, stdout
+from agoractl.data.shard import reshard
 from agoractl.errors import UsageError
 
 
@@ -22,8 +24,6 @@ def _progress_bar(enabled: bool) -> Iterator[Optional[callable]]:
     if not enabled:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     labels = {"deal": "reading and dealing", "write": "writing shards"}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=stderr, transient=False) as bar:
@@ -50,8 +50,6 @@ def shard(
 
     Deterministic for data.seed; resumable (a rerun keeps complete, verified shards); bounded memory.
     """
-    from agoractl.data.shard import reshard
-
     if jobs < 0:
         raise UsageError(f"--jobs must be positive; got {jobs}")
     run = load(file, set_)

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
 from agoractl.cli.common import GlobalMixing, JsonOpt, ManifestArg, Scenario, SetOpt, SimData, load
 from agoractl.cli.output import emit, note, stdout
+from agoractl.cli.simulate_plot import write_plot
 from agoractl.errors import UsageError
 
 FG, SP = "FGDiLoCo scenario", "SPARTA scenarios"
@@ -148,16 +150,12 @@ def simulate(
                                                 microbatch=microbatch, lag_steps=lag_steps, **common)
     result["manifest"] = str(file)
     if plot is not None:
-        from agoractl.cli.simulate_plot import write_plot
-
         result["plot"] = str(write_plot(result, plot))
     note(f"simulate {scenario}: done in {time.perf_counter() - t0:.1f} s")
     emit(result, as_json, _render)
 
 
 def _render(result: dict) -> None:
-    from rich.table import Table
-
     scenario = result["scenario"]
     table = Table(title=f"simulate {scenario} ({result['data']})")
     table.add_column("variant")
