@@ -66,7 +66,7 @@ class SimData(StrEnum):
 
 
 class GlobalMixing(StrEnum):
-    """Cost model of a global mixing in ``simulate`` (``agoractl.runtime.scenarios.GLOBAL_MIXING``)."""
+    """Cost model of a global mixing in ``simulate`` (``agoractl.sim.comm_model.GLOBAL_MIXING``)."""
 
     butterfly = "butterfly"
     all_to_all = "all-to-all"

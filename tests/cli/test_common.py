@@ -15,11 +15,12 @@ MANIFEST = MANIFESTS / "local-cpu.yaml"
 
 
 def test_enums_are_the_librarys_names():
-    from agoractl.runtime import faults, records, scenarios
+    from agoractl.runtime import faults, records
+    from agoractl.sim import comm_model, scenarios
 
     assert tuple(Role) == records.ROLES
     assert tuple(FaultPoint) == faults.FAULT_POINTS
-    assert tuple(GlobalMixing) == tuple(scenarios.GLOBAL_MIXING)
+    assert tuple(GlobalMixing) == comm_model.GLOBAL_MIXING
     assert all(callable(getattr(scenarios, s.value.replace("-", "_"))) for s in Scenario)
     run = load_manifest(MANIFEST)
     for p in ArParams:  # both are accepted by the plan
