@@ -1,6 +1,6 @@
 """Re-sharding on a Dask cluster beside the local executor, in the same run: MB/s with 1 and 2 workers
 of a dask.distributed LocalCluster (worker processes on loopback) and `--executor local`, and the
-peak memory of each worker at two input sizes (default 4x apart) with shards of the same size.
+peak memory of each worker at two input sizes (default 4.5x apart) with shards of the same size.
 
     .venv/bin/python benchmarks/shard_cluster.py            # a table
     .venv/bin/python benchmarks/shard_cluster.py --json     # one JSON object on stdout
@@ -95,10 +95,11 @@ def measure(run, executor, pids: list[int], out: Path, repeats: int, unit_bytes:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=8, help="Smaller input, in MB of parquet (default 8).")
-    ap.add_argument("--scale", type=int, default=4, help="Larger input = --mb times this (default 4).")
+    ap.add_argument("--scale", type=float, default=4.5,
+                    help="Larger input = --mb times this (default 4.5: at least 4x after parquet's rounding).")
     ap.add_argument("--shard-mb", type=float, default=0.5, help="Parquet MB per shard (default 0.5).")
     ap.add_argument("--unit-mb", type=float, default=4, help="Uncompressed MB of input per unit (default 4).")
-    ap.add_argument("--repeats", type=int, default=2, help="Runs of each configuration; the fastest counts.")
+    ap.add_argument("--repeats", type=int, default=3, help="Runs of each configuration; the fastest counts.")
     ap.add_argument("--json", action="store_true", help="Print one JSON object on stdout.")
     ap.add_argument("--output", type=Path, help="Also write the JSON to this file.")
     args = ap.parse_args()
@@ -131,6 +132,8 @@ def main() -> None:
                 ex = DaskExecutor(cluster.scheduler_address)
                 pids = list(ex.client.run(os.getpid).values())
             try:
+                reshard(runs["small"], executor=ex, unit_bytes=unit_bytes)  # warm up: imports in each worker
+                shutil.rmtree(tmp_path / "out", ignore_errors=True)
                 for label, run in runs.items():  # small first: a larger peak later is not left over from it
                     m = measure(run, ex, pids, tmp_path / "out", args.repeats, unit_bytes)
                     size = result["sizes"][label]
@@ -141,6 +144,7 @@ def main() -> None:
                 if cluster is not None:
                     cluster.close()
     small, large = result["sizes"]["small"]["executors"], result["sizes"]["large"]["executors"]
+    result["input_ratio"] = round(result["sizes"]["large"]["input_mb"] / result["sizes"]["small"]["input_mb"], 2)
     result["rss_growth"] = {n: round(large[n]["peak_rss_anon_mb"] / small[n]["peak_rss_anon_mb"], 3) for n in small}
     result["speedup_vs_local"] = {n: round(large[n]["mb_per_s"] / large["local-2-threads"]["mb_per_s"], 3)
                                   for n in large}

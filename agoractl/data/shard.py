@@ -5,16 +5,18 @@ Two passes with bounded memory:
 1. *Deal.* The input is cut into units of a few row groups. Each unit is read, empty texts (and,
    with ``data.min_int_score``, low-scored documents) are dropped and counted, and every document g
    (its position in the concatenated input) is dealt to shard ``perm(g) % S`` with sort key
-   ``perm(g) // S`` (:mod:`agoractl.data.permutation`). The unit is spilled to the work directory as
-   one Arrow IPC file with one record batch per shard, then a JSON marker is written.
-2. *Write.* Each shard gathers its batches from every unit (memory-mapped), sorts them by key,
+   ``perm(g) // S`` (:mod:`agoractl.data.permutation`). The unit is spilled to the work directory
+   (local, or a prefix in the store) as one Arrow IPC stream per shard, then a JSON marker with each
+   shard's offset and length is written (:mod:`agoractl.data.spill`).
+2. *Write.* Each shard reads its piece of every unit (memory-mapped, or one ranged GET), sorts by key,
    counts tokens under the manifest's tokenizer (one EOS per document), writes parquet to a temporary
    name, checks it, renames it (or uploads it whole), and writes a ``.done/`` marker with its sha256.
 
-Then ``index.json`` is written, last. Both passes run over ``--jobs`` worker threads (the work is in
-native code that releases the GIL); a worker holds one unit or one shard at a time. A rerun keeps finished units and every shard whose marker matches this
-configuration's fingerprint and whose file verifies (sha256 locally, size on object stores), so a
-crash at any point costs only the work in flight. The same seed gives byte-identical shards.
+Then ``index.json`` is written, last. Both passes run as tasks on an executor
+(:mod:`agoractl.data.executors`: local threads, or a Dask cluster), one task per unit, then one per
+shard; a task holds one unit or one shard at a time. A rerun keeps finished units and every shard
+whose marker matches this configuration's fingerprint and whose file verifies (sha256 locally, size
+on object stores), so a crash at any point, or a lost cluster worker, costs only the work in flight. The same seed gives byte-identical shards.
 """
 
 from __future__ import annotations

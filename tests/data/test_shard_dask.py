@@ -3,8 +3,9 @@
 Real processes, no mocks: a dask.distributed LocalCluster (scheduler and nanny-supervised worker
 processes on 127.0.0.1, started and stopped here) and a moto_server bucket on loopback (conftest).
 Checks that shards and index are byte-identical to the local executor's with 1 and 2 workers, that
-spill files live under the store's work prefix, and that SIGKILLing a worker mid-write pass, then
-the driver itself, still ends in the same bytes, keeping the finished units and shards on the rerun.
+spill files live under the store's work prefix, that SIGKILLing a worker during the write pass still
+ends in the same bytes (the scheduler reruns its tasks), and that after the driver itself dies
+half-way, a rerun keeps the finished units and shards and ends in the same bytes.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _objects(s3, prefix: str) -> dict[str, str]:
 
 def _units(s3) -> dict[str, object]:
     return {o["Key"]: (o["LastModified"], o["ETag"]) for o in
-            s3.list_objects_v2(Bucket="dask", Prefix="killed/.work/units/").get("Contents", [])}
+            s3.list_objects_v2(Bucket="dask", Prefix="crashed/.work/units/").get("Contents", [])}
 
 
 def _run(world, name: str):
@@ -116,27 +117,34 @@ def test_worker_sigkilled_mid_write_then_driver_crash_and_rerun(world):
         pids = ex.client.run(os.getpid)
         killed = []
 
-        def kill_then_crash(phase, done, total):
-            if phase == "write" and done == 1 and not killed:  # SIGKILL one worker process mid-pass
-                killed.append(next(iter(pids.values())))
+        def kill(phase, done, total):
+            if phase == "write" and done == 1 and not killed:  # SIGKILL a worker, a busy one if any
+                busy = [a for a, keys in ex.client.processing().items() if keys and a in pids]
+                killed.append(pids[(busy or list(pids))[0]])
                 os.kill(killed[0], signal.SIGKILL)
-            if phase == "write" and done == SHARDS // 2:
-                raise Crash()  # then the driver dies too, half-way through the write pass
 
-        with pytest.raises(Crash):
-            reshard(_run(world, "killed"), executor=ex, unit_bytes=1, progress=kill_then_crash)
-        assert _objects(s3, "killed/").get("index.json") is None
-        units = _units(s3)
-        assert len(units) == 6  # 3 spills and their markers
+        # The scheduler reruns the lost worker's tasks: the job completes, same bytes.
+        assert reshard(_run(world, "killed"), executor=ex, unit_bytes=1, progress=kill).written == SHARDS
+        assert killed and _objects(s3, "killed/") == world["reference"]
         ex.client.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
         assert killed[0] not in ex.client.run(os.getpid).values()
-        kept = list(_objects(s3, "killed/.done/"))
+
+        def crash(phase, done, total):
+            if phase == "write" and done == SHARDS // 2:
+                raise Crash()  # the driver dies half-way through the write pass
+
+        with pytest.raises(Crash):
+            reshard(_run(world, "crashed"), executor=ex, unit_bytes=1, progress=crash)
+        assert _objects(s3, "crashed/").get("index.json") is None
+        units = _units(s3)
+        assert len(units) == 6  # 3 spills and their markers
+        kept = list(_objects(s3, "crashed/.done/"))
         after_deal = []
-        again = reshard(_run(world, "killed"), executor=ex, unit_bytes=1,
+        again = reshard(_run(world, "crashed"), executor=ex, unit_bytes=1,
                         progress=lambda phase, done, total: after_deal.append(_units(s3)) if
                         (phase, done) == ("write", 0) else None)
     finally:
         ex.close()
     assert after_deal == [units]  # the rerun kept every finished unit (same objects, not rewritten)
     assert len(kept) >= SHARDS // 2 and again.written == SHARDS - len(kept)  # finished shards were kept
-    assert _objects(s3, "killed/") == world["reference"]
+    assert _objects(s3, "crashed/") == world["reference"]
