@@ -97,7 +97,9 @@ def test_byte_identical_to_local_with_one_and_two_workers(world, cli, s3_server)
     cluster.scale(1)
     ex = DaskExecutor(cluster.scheduler_address)
     try:
+        deadline = time.monotonic() + 60
         while len(ex.client.scheduler_info()["workers"]) != 1:  # scaling down retires one
+            assert time.monotonic() < deadline, "the cluster did not scale down to 1 worker"
             time.sleep(0.1)
         seen = []
         result = reshard(_run(world, "w1"), executor=ex, unit_bytes=1,
