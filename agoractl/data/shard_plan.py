@@ -26,8 +26,9 @@ from agoractl.manifest.schema import Run
 LOCAL_MB_PER_S_PER_CORE = 10.0
 """Parquet MB re-sharded per second per core by the local executor (issue 23: 64 MB to 1,000 shards in
 7.6 s and 254 MB in 12.7 s on a 2-core machine, about 20 MB/s)."""
-WORKER_BASE_BYTES = 160 << 20
-"""A worker process's own footprint (Python, Arrow, the tokenizer) before it holds any data."""
+WORKER_BASE_BYTES = 200 << 20
+"""A worker process's own footprint (Python, Arrow and its thread pool, the tokenizer, what the allocator
+keeps between tasks): 125-145 MB of anonymous RSS between tasks, measured on Dask workers."""
 DEAL_FACTOR = 3.0
 """Peak bytes of a deal task per uncompressed byte of its unit (read, gathered copy, one stream)."""
 WRITE_FACTOR = 3.0
