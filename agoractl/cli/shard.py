@@ -11,7 +11,6 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
 import typer

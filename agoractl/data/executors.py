@@ -11,7 +11,6 @@ idempotent (``docs/sharding.md`` says why Dask and not Ray).
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional, Protocol
@@ -152,6 +151,8 @@ class DaskExecutor:
                 try:
                     result = f.result()
                 except Exception as e:  # the task died with its workers too often, or the cluster went away
+                    if os.environ.get("AGORA_DEBUG") == "1":
+                        raise
                     text = str(e).splitlines()[0] if str(e) else type(e).__name__
                     raise RuntimeFailure(f"{phase} task {index[f.key]} failed on the Dask cluster ({text[:160]})",
                                          hint="rerun the same command: finished units and shards are kept")
@@ -174,9 +175,3 @@ def make_executor(kind: str, jobs: int = 1, address: Optional[str] = None) -> Ex
                              hint="start one with `dask scheduler` (and `dask worker tcp://HOST:8786` per machine)")
         return DaskExecutor(address)
     raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}; got {kind!r}")
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
