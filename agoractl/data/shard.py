@@ -5,16 +5,18 @@ Two passes with bounded memory:
 1. *Deal.* The input is cut into units of a few row groups. Each unit is read, empty texts (and,
    with ``data.min_int_score``, low-scored documents) are dropped and counted, and every document g
    (its position in the concatenated input) is dealt to shard ``perm(g) % S`` with sort key
-   ``perm(g) // S`` (:mod:`agoractl.data.permutation`). The unit is spilled to the work directory as
-   one Arrow IPC file with one record batch per shard, then a JSON marker is written.
-2. *Write.* Each shard gathers its batches from every unit (memory-mapped), sorts them by key,
+   ``perm(g) // S`` (:mod:`agoractl.data.permutation`). The unit is spilled to the work directory
+   (local, or a prefix in the store) as one Arrow IPC stream per shard, then a JSON marker with each
+   shard's offset and length is written (:mod:`agoractl.data.spill`).
+2. *Write.* Each shard reads its piece of every unit (memory-mapped, or one ranged GET), sorts by key,
    counts tokens under the manifest's tokenizer (one EOS per document), writes parquet to a temporary
    name, checks it, renames it (or uploads it whole), and writes a ``.done/`` marker with its sha256.
 
-Then ``index.json`` is written, last. Both passes run over ``--jobs`` worker threads (the work is in
-native code that releases the GIL); a worker holds one unit or one shard at a time. A rerun keeps finished units and every shard whose marker matches this
-configuration's fingerprint and whose file verifies (sha256 locally, size on object stores), so a
-crash at any point costs only the work in flight. The same seed gives byte-identical shards.
+Then ``index.json`` is written, last. Both passes run as tasks on an executor
+(:mod:`agoractl.data.executors`: local threads, or a Dask cluster), one task per unit, then one per
+shard; a task holds one unit or one shard at a time. A rerun keeps finished units and every shard
+whose marker matches this configuration's fingerprint and whose file verifies (sha256 locally, size
+on object stores), so a crash at any point, or a lost cluster worker, costs only the work in flight. The same seed gives byte-identical shards.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import tempfile
+import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -34,13 +36,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from agoractl import storage
-from agoractl.data import remote
+from agoractl.data import remote, spill
+from agoractl.data.executors import Executor, LocalExecutor, Progress
 from agoractl.data.index import FORMAT, ShardEntry, ShardIndex, index_url, read_index, shard_name, write_index
 from agoractl.data.permutation import Permutation
 from agoractl.data.sources import (SourceFile, common_schema, describe_error, inspect_all, list_files, read_groups,
                                    store_hint)
 from agoractl.data.tokenizers import load_tokenizer
-from agoractl.errors import AgoraError, RuntimeFailure
+from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
 
 KEY = "__agora_key"
@@ -49,8 +52,6 @@ UNIT_BYTES = 64 << 20
 SHARD_ROW_GROUP = 1000
 """Rows per row group in a shard, as in FineWeb-Edu."""
 DONE_DIR = ".done"
-
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class Result:
     url: str
     written: int
     """Shards written by this run (the rest were already complete and verified)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time per pass: inspect (listing, footers, checks), deal, write; and total."""
+    input_bytes: int = 0
+    """Bytes of parquet input."""
 
 
 # -- planning ------------------------------------------------------------------------------------
@@ -112,28 +117,19 @@ def fingerprint(run: Run, files: list[SourceFile], tokenizer: dict[str, Any]) ->
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def default_work_dir(output: str) -> str:
-    """Spill files must be local (memory-mapped): beside local shards, else in the user's cache."""
-    if not storage.is_remote(output):
-        return os.path.join(remote.filesystem(output)[1], ".work")
+def default_work_dir(output: str, shared: bool = False) -> str:
+    """Where spill files go. `shared` (a cluster's executor): under the output's own prefix, where
+    every worker can read them. Otherwise on this machine, memory-mapped: beside local shards, else
+    in the user's cache."""
+    if shared or not storage.is_remote(output):
+        return storage.join(output, ".work") if storage.is_remote(output) else \
+            os.path.join(remote.filesystem(output)[1], ".work")
     cache = os.environ.get("AGORA_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "agoractl")
     return os.path.join(cache, "shard-work", hashlib.sha256(output.encode()).hexdigest()[:16])
 
 
 # -- pass 1: deal ----------------------------------------------------------------------------------
-
-def _unit_paths(work: str, u: int) -> tuple[str, str]:
-    return os.path.join(work, "units", f"unit-{u:06d}.arrow"), os.path.join(work, "units", f"unit-{u:06d}.json")
-
-
-def _read_json(path: str) -> Optional[dict[str, Any]]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
 
 def _has_text(text: pa.ChunkedArray) -> np.ndarray:
     """Rows whose text is not null, empty or only whitespace.
@@ -151,10 +147,9 @@ def _has_text(text: pa.ChunkedArray) -> np.ndarray:
 
 
 def deal_unit(cfg: Config, unit: Unit) -> dict[str, Any]:
-    """Pass 1 for one unit; returns its marker (already on disk when this returns)."""
-    spill, marker = _unit_paths(cfg.work, unit.number)
-    done = _read_json(marker)
-    if done and done.get("fingerprint") == cfg.fingerprint and os.path.exists(spill):
+    """Pass 1 for one unit; returns its marker (already stored when this returns)."""
+    done = spill.finished(cfg.work, unit.number, cfg.fingerprint)
+    if done:
         return done
     table = read_groups(unit.url, range(unit.first_group, unit.stop_group), cfg.schema.names).cast(cfg.schema)
     n = table.num_rows
@@ -173,26 +168,12 @@ def deal_unit(cfg: Config, unit: Unit) -> dict[str, Any]:
     order = np.argsort(shard, kind="stable")
     # One gather does the filtering and the grouping by shard: the unit's text is copied once.
     table = table.take(pa.array(rows[order])).append_column(KEY, pa.array(key[order])).combine_chunks()
-    shard = shard[order]
-    present, starts, counts = np.unique(shard, return_index=True, return_counts=True)
-    batches: dict[str, list[int]] = {}
-    os.makedirs(os.path.dirname(spill), exist_ok=True)
-    tmp = f"{spill}.{uuid.uuid4().hex[:8]}.tmp"
-    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        b = 0
-        for s, start, count in zip(present.tolist(), starts.tolist(), counts.tolist()):
-            chunk = table.slice(start, count).to_batches()
-            for rb in chunk:
-                writer.write_batch(rb)
-            batches[str(s)] = [b, len(chunk)]
-            b += len(chunk)
-    os.replace(tmp, spill)
-    body = {"fingerprint": cfg.fingerprint, "unit": unit.number, "url": unit.url, "rows_in": n,
-            "rows": int(keep.sum()), "dropped": {"empty": dropped_empty, "min_int_score": dropped_score},
-            "batches": batches}
-    with open(marker + ".tmp", "w") as f:
-        json.dump(body, f)
-    os.replace(marker + ".tmp", marker)
+    spans, size = spill.write_unit(cfg.work, unit.number, table, shard[order])
+    body = {"fingerprint": cfg.fingerprint, "spill_format": spill.SPILL_FORMAT, "unit": unit.number,
+            "url": unit.url, "rows_in": n, "rows": int(keep.sum()),
+            "dropped": {"empty": dropped_empty, "min_int_score": dropped_score}, "spans": spans,
+            "spill_bytes": size}
+    spill.write_json(spill.unit_urls(cfg.work, unit.number)[1], body)
     return body
 
 
@@ -274,31 +255,26 @@ def _with_statistics(table: pa.Table, cfg: Config) -> list[str]:
     return [c for c in table.column_names if c != cfg.text_column]
 
 
-def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntry:
+def pieces_of(markers: list[dict[str, Any]], k: int) -> list[tuple[int, int, int]]:
+    """Where shard k's documents are: ``(unit, offset, length)`` in each unit's spill that has some."""
+    return [(m["unit"], *m["spans"][str(k)]) for m in markers if str(k) in m["spans"]]
+
+
+def write_shard(cfg: Config, k: int, pieces: list[tuple[int, int, int]]) -> ShardEntry:
     """Pass 2 for shard k; the shard and its marker are on storage when this returns."""
     name = shard_name(k)
-    pieces = []
-    readers = []
-    for m in markers:
-        span = m["batches"].get(str(k))
-        if not span:
-            continue
-        spill, _ = _unit_paths(cfg.work, m["unit"])
-        source = pa.memory_map(spill, "r")
-        readers.append(source)
-        reader = pa.ipc.open_file(source)
-        pieces.extend(reader.get_batch(i) for i in range(span[0], span[0] + span[1]))
     spill_schema = cfg.schema.append(pa.field(KEY, pa.int64()))
-    table = pa.Table.from_batches(pieces, schema=spill_schema)
-    table = table.take(pc.sort_indices(table.column(KEY))).drop_columns([KEY])
-    for r in readers:  # take() copied the rows: the spills can be unmapped
-        r.close()
+    parts = [spill.read_piece(cfg.work, u, offset, length) for u, offset, length in pieces]
+    table = pa.concat_tables(parts) if parts else spill_schema.empty_table()
+    del parts
+    table = table.take(pc.sort_indices(table.column(KEY))).drop_columns([KEY])  # copies: the pieces go
     lengths = _tokenizer(cfg.run).lengths_arrow(table.column(cfg.text_column))
     tokens = int(lengths.sum()) + table.num_rows
     is_remote = storage.is_remote(cfg.output)
     url = storage.join(cfg.output, name)
     fs, path = remote.filesystem(url)
-    tmp_dir = os.path.join(cfg.work, "tmp") if is_remote else os.path.dirname(path)
+    # A remote shard is made in this machine's temporary directory (one at a time) and uploaded whole.
+    tmp_dir = tempfile.gettempdir() if is_remote else os.path.dirname(path)
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -322,66 +298,6 @@ def write_shard(cfg: Config, k: int, markers: list[dict[str, Any]]) -> ShardEntr
 
 
 # -- driver ----------------------------------------------------------------------------------------
-
-def _task(fn: Callable, *args: Any) -> tuple:
-    """Run one task; an unexpected error becomes one line naming it (AGORA_DEBUG=1 shows the traceback)."""
-    try:
-        return ("ok", fn(*args))
-    except AgoraError as e:
-        return ("error", e.message, e.hint)
-    except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else ""
-        return ("error", f"{type(e).__name__}: {text}", "rerun with AGORA_DEBUG=1 and --jobs 1 for the traceback")
-
-
-def _traced(fn: Callable, *args: Any) -> tuple:
-    return ("ok", fn(*args))
-
-
-def _pool(jobs: int) -> Optional[ThreadPoolExecutor]:
-    """Workers for both passes; None runs tasks inline.
-
-    Threads, not processes: the heavy work (parquet decoding and encoding, gathers, IPC, hashing,
-    batch tokenization) runs in Arrow's and the tokenizers' native code with the GIL released, so
-    threads use every core without forking, pickling, or warming a fresh allocator per process.
-    """
-    return ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="agora-shard") if jobs > 1 else None
-
-
-def _run_tasks(pool: Optional[ThreadPoolExecutor], tasks: list[tuple], phase: str,
-               progress: Optional[Progress]) -> list[Any]:
-    results: list[Any] = [None] * len(tasks)
-    done = 0
-    if progress:
-        progress(phase, 0, len(tasks))
-
-    def take(i: int, out: tuple) -> None:
-        nonlocal done
-        if out[0] == "error":
-            raise RuntimeFailure(out[1], hint=out[2])
-        results[i] = out[1]
-        done += 1
-        if progress:
-            progress(phase, done, len(tasks))
-
-    run = _traced if os.environ.get("AGORA_DEBUG") == "1" else _task  # debug: let the traceback through
-    if pool is None or len(tasks) <= 1:
-        for i, t in enumerate(tasks):
-            take(i, run(*t))
-        return results
-    futures = {pool.submit(run, *t): i for i, t in enumerate(tasks)}
-    pending = set(futures)
-    while pending:
-        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for f in finished:
-            try:
-                take(futures[f], f.result())
-            except BaseException:
-                for p in pending:
-                    p.cancel()
-                raise
-    return results
-
 
 def _check_output(output: str) -> None:
     fs, path = remote.filesystem(output)
@@ -408,9 +324,35 @@ def _stale(names: list[str], done: list[str], num_shards: int) -> list[str]:
     return out
 
 
+def _prepare_work(work: str, fp: str, unit_bytes: int, output: str, source: str) -> None:
+    """Keep the work directory of an interrupted run of this configuration; clear anything else."""
+    plan_url = storage.join(work, "plan.json")
+    body = {"fingerprint": fp, "unit_bytes": unit_bytes, "spill_format": spill.SPILL_FORMAT}
+    old = spill.read_json(plan_url) or {}
+    if any(old.get(k) != v for k, v in body.items()):
+        spill.clear(work)
+        spill.write_json(plan_url, {**body, "output": output, "source": source})
+
+
 def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_dir: Optional[str] = None,
-            unit_bytes: int = UNIT_BYTES) -> Result:
-    """Re-shard ``run.data.source`` into ``run.data.num_shards`` shards under ``run.data.output``."""
+            unit_bytes: int = UNIT_BYTES, executor: Optional[Executor] = None) -> Result:
+    """Re-shard ``run.data.source`` into ``run.data.num_shards`` shards under ``run.data.output``.
+
+    `executor` runs the tasks (default: ``jobs`` local threads); `work_dir` is a local directory or a
+    store URL for the spill files (default: :func:`default_work_dir`, shared for a cluster).
+    """
+    own = executor is None
+    executor = executor or LocalExecutor(jobs)
+    try:
+        return _reshard(run, executor, progress, work_dir, unit_bytes)
+    finally:
+        if own:
+            executor.close()
+
+
+def _reshard(run: Run, executor: Executor, progress: Optional[Progress], work_dir: Optional[str],
+             unit_bytes: int) -> Result:
+    t0 = time.perf_counter()
     d = run.data
     tokenizer = load_tokenizer(run).describe()
     urls = list_files(d.source)
@@ -419,13 +361,14 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
     output = d.output
     _check_output(output)
     num = d.num_shards
+    input_bytes = sum(f.size for f in files)
     try:
         existing: Optional[ShardIndex] = read_index(output)
     except RuntimeFailure:  # none, or unreadable: either way it is replaced below
         existing = None
     listed = remote.listing(output)
     if existing and existing.fingerprint == fp and all(verify_shard(output, e, listed) for e in existing.shards):
-        return Result(existing, index_url(output), 0)
+        return Result(existing, index_url(output), 0, {"total": time.perf_counter() - t0}, input_bytes)
     if existing and existing.fingerprint == fp:
         for k, e in enumerate(existing.shards):  # keep the good shards of a damaged corpus
             if verify_shard(output, e, listed):
@@ -436,13 +379,8 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
     for name in _stale(list(listed), list(remote.listing(storage.join(output, DONE_DIR))), num):
         remote.remove(storage.join(output, name))
 
-    work = work_dir or default_work_dir(output)
-    plan_file = os.path.join(work, "plan.json")
-    if (_read_json(plan_file) or {}).get("fingerprint") != fp:
-        shutil.rmtree(work, ignore_errors=True)
-        os.makedirs(work, exist_ok=True)
-        with open(plan_file, "w") as f:
-            json.dump({"fingerprint": fp, "output": output, "source": d.source}, f)
+    work = work_dir or default_work_dir(output, shared=not isinstance(executor, LocalExecutor))
+    _prepare_work(work, fp, unit_bytes, output, d.source)
     schema = common_schema(files, d.text_column, d.id_column)
     cfg = Config(run, fp, output, work, schema, sum(f.rows for f in files), num, d.seed, d.text_column,
                  d.min_int_score)
@@ -450,14 +388,15 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
     done = read_done(output, fp, num)
     entries: list[Optional[ShardEntry]] = [done.get(k) for k in range(num)]
     todo = [k for k in range(num) if entries[k] is None]
-    pool = _pool(min(jobs, max(len(units), len(todo))))
-    try:
-        markers = _run_tasks(pool, [(deal_unit, cfg, u) for u in units], "deal", progress)
-        slim = [{"unit": m["unit"], "batches": m["batches"]} for m in markers]
-        written = _run_tasks(pool, [(write_shard, cfg, k, slim) for k in todo], "write", progress)
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+    seconds = {"inspect": time.perf_counter() - t0}
+    if progress:
+        progress("input", input_bytes, input_bytes)  # the bytes both passes go through, for MB/s
+    t1 = time.perf_counter()
+    markers = executor.map(deal_unit, cfg, [(u,) for u in units], "deal", progress)
+    seconds["deal"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    written = executor.map(write_shard, cfg, [(k, pieces_of(markers, k)) for k in todo], "write", progress)
+    seconds["write"] = time.perf_counter() - t1
     for k, e in zip(todo, written):
         entries[k] = e
 
@@ -472,5 +411,6 @@ def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_d
     url = write_index(output, index)
     # The index now vouches for the shards: markers and spills are no longer needed.
     remote.remove(storage.join(output, DONE_DIR), recursive=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return Result(index, url, len(todo))
+    spill.clear(work)
+    seconds["total"] = time.perf_counter() - t0
+    return Result(index, url, len(todo), seconds, input_bytes)

@@ -150,3 +150,27 @@ def test_sigkill_then_rerun_completes_consistently(cli, tmp_path, big_corpus, ph
     for e in idx.shards:
         assert (out / e.name).read_bytes() == (clean / e.name).read_bytes()
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in clean.iterdir())
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--executor", "dask"], "--executor dask needs the scheduler: --address"),
+    (["--address", "tcp://127.0.0.1:8786"], "--address names a Dask scheduler: add --executor dask"),
+    (["--executor", "ray"], "--executor must be one of local, dask; got 'ray'"),
+])
+def test_executor_usage_errors(cli, tmp_path, args, fragment):
+    proc = cli(*shard_args("src/*.parquet", "out", *args), env={"DASK_SCHEDULER_ADDRESS": ""})
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {fragment}"), proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_plan_writes_nothing(cli, tmp_path):
+    sample_corpus(tmp_path / "src", rows=900, files=3)
+    plan = json.loads(cli(*shard_args("src/*.parquet", "out", "--set", "data.num_shards=3", "--plan", "--json"),
+                          check=0).stdout)
+    assert plan["files"] == 3 and plan["rows"] == 900 and plan["shards"] == 3 and plan["units"] == 3
+    assert plan["rows_per_shard"] == 300 and plan["spill_bytes"] > plan["uncompressed_bytes"] > plan["input_bytes"]
+    assert plan["estimated_tokens"] > 900 and plan["estimated_seconds"] > 0
+    assert plan["memory_per_worker_bytes"] > max(plan["memory"]["deal"], plan["memory"]["write"])
+    human = cli(*shard_args("src/*.parquet", "out", "--plan"), check=0).stdout
+    assert "memory per worker" in human and "spill" in human
+    assert not (tmp_path / "out").exists()
