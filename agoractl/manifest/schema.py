@@ -181,6 +181,16 @@ class FGDiLoCo(Section):
     """Nesterov momentum in the outer step."""
     variant: Literal["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"] = "global_m1_local_m2"
     """Mixing variant of seed 002."""
+    allreduce_timeout_s: float = Field(150.0, gt=0)
+    """All-reduce timeout of one mix, in seconds."""
+    matchmaking_timeout_s: float = Field(40.0, gt=0)
+    """Matchmaking window of one mix, in seconds."""
+    wire_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of mixed values on the wire."""
+    chunk_bytes: int = Field(2**19, ge=1024)
+    """Size of one streamed all-reduce chunk, in bytes (hivemind's part size; every replica must agree)."""
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    """A sender silent for this many seconds between chunks is banned from the mix; a reducer gets twice it."""
 
 
 class DataParallel(Section):

@@ -1,11 +1,16 @@
-"""AsyncSPARTA transport over hivemind (report §3.3.1.7-8, §4.2): one segment per round, in the background.
+"""The data-parallel averaging transport over hivemind (report §3.3.1.7-8, §4.2): one flat tensor per
+round, in the background, among the replicas of a stage.
 
-This module only moves tensors; which values form a segment and how a round's result is applied
-(the delta rule) live in :mod:`agoractl.algorithms.sparta`. :class:`SpartaAverager` is hivemind's
+This module only moves tensors: it is the
+:class:`~agoractl.training.data_parallel.AveragingTransport` that both data-parallel methods run on
+(SPARTA's segments, :mod:`agoractl.training.sparta_rounds`; FGDiLoCo's mixes,
+:mod:`agoractl.training.fgdiloco_rounds`). :class:`StageAverager` is hivemind's
 ``DecentralizedAverager`` (a background process sharing the worker's DHT) over one shared buffer
-sized for the largest segment: a round copies the segment's snapshot in (zero padding), runs
-matchmaking and the butterfly all-reduce in the background, weighted by the samples the worker
-processed since its last round, and hands back the average and which of its values came back.
+sized for the largest tensor of a round: a round copies the values in (zero padding), runs
+matchmaking and the butterfly all-reduce in the background, weighted as the method says (SPARTA:
+the samples the worker processed since its last round), and hands back the average and which of
+its values came back. :func:`stage_averager` builds one from the manifest section of the run's
+method (``data_parallel.sparta`` or ``data_parallel.fgdiloco``: timeouts, chunk size, wire dtype).
 
 - Roles (report §3.3.1.8): operators (``client_mode=False``) reduce a slice each and send;
   contributors (``client_mode=True``) only send and receive.
@@ -32,7 +37,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
 from types import MethodType
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -50,8 +54,10 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from agoractl import logs
-from agoractl.runtime.faults import FAULT_POINTS
 from agoractl.algorithms.termination import EXIT_PREEMPTED
+from agoractl.manifest.schema import Run
+from agoractl.runtime.faults import FAULT_POINTS
+from agoractl.training.data_parallel import RoundRecord
 
 _STATS = ("round", "finished", "group_size", "reducers", "senders", "weight", "group_weight",
           "reduce_expected", "reduce_received", "size", "averaged", "bytes_sent", "bytes_received",
@@ -77,7 +83,7 @@ class BFloat16Wire(CompressionBase):
 
 
 def wire_compression(wire_dtype: str) -> CompressionBase:
-    """The hivemind compression for ``data_parallel.sparta.wire_dtype``."""
+    """The hivemind compression for a method's ``wire_dtype`` (``data_parallel.<method>.wire_dtype``)."""
     return BFloat16Wire() if wire_dtype == "bf16" else NoCompression()
 
 
@@ -94,42 +100,6 @@ def expected_round_bytes(payload_bytes: float, senders: int, reducers: int, is_r
     return 2.0 * (own + served)
 
 
-@dataclass
-class RoundRecord:
-    """One SPARTA round as this peer saw it (report §5.7.1). Fractions in [0, 1]; None = not measured.
-
-    status: ``complete`` (every value came back averaged), ``partial``, ``failed`` (no group, a
-    timeout, an error, or nothing came back), ``empty`` (every peer of the group had weight 0:
-    nothing to average, everyone keeps its values). reduce_success is measured by reducers only.
-    """
-
-    round: int
-    segment: int
-    status: str
-    group_size: int = 0
-    reducers: int = 0
-    weight: float = 0.0
-    group_weight: float = 0.0
-    reduce_success: Optional[float] = None
-    averaging_success: float = 0.0
-    matchmaking_s: Optional[float] = None
-    duration_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    snapshot_sum: Optional[float] = None
-    """Sum of the values this peer sent (its snapshot of the segment)."""
-    average_sum: Optional[float] = None
-    """Sum of the averaged values it got back (where they came back): the same at every replica."""
-    error: Optional[str] = None
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "failed"
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def _mark_failed_reducer(container, peer_index: int) -> None:
     """Replacement of TensorPartContainer.register_failed_reducer: the parts a failed reducer did not
     return come back as NaN (not averaged) instead of a zero delta, so the worker can tell them apart
@@ -144,7 +114,7 @@ def _mark_failed_reducer(container, peer_index: int) -> None:
 class _CountingStub:
     """A stub for rpc_aggregate_part whose reply stream counts the bytes it brings in."""
 
-    def __init__(self, stub, runner: "SpartaAllReduce"):
+    def __init__(self, stub, runner: "StageAllReduce"):
         self._stub, self._runner = stub, runner
 
     async def rpc_aggregate_part(self, requests, timeout: Optional[float] = None):
@@ -152,7 +122,7 @@ class _CountingStub:
         return self._runner.count_in(stream)
 
 
-class SpartaAllReduce(AllReduceRunner):
+class StageAllReduce(AllReduceRunner):
     """hivemind's butterfly all-reduce, instrumented: bytes in and out, reduce success, fault injection."""
 
     def __init__(self, *, wire: CompressionBase, fault: Optional[str], on_fault: Callable[[str], None], **kwargs):
@@ -223,13 +193,14 @@ class SpartaAllReduce(AllReduceRunner):
         return int(prefix[-1]) * reducer.num_senders, received
 
 
-class SpartaAverager(DecentralizedAverager):
-    """Background SPARTA averaging of one stage's segments with the other replicas of that stage.
+class StageAverager(DecentralizedAverager):
+    """Background averaging of one flat tensor per round with the other replicas of a stage.
 
-    `prefix` names the stage's averaging group in the DHT (run- and stage-specific, no dots);
-    `capacity` is the largest segment size (values). Host-side API: :meth:`begin_round`, then poll
-    the returned :class:`PendingRound`. Operators also serve their stage state to joining workers
-    through hivemind's ``load_state_from_peers`` once :attr:`state_provider` is set.
+    `prefix` names the stage's averaging group in the DHT (run-, stage- and method-specific, no dots);
+    `capacity` is the most values one round averages (SPARTA's largest segment). Host-side API:
+    :meth:`begin_round`, then poll the returned :class:`PendingRound`. Operators also serve their
+    stage state to joining workers through hivemind's ``load_state_from_peers`` once
+    :attr:`state_provider` is set.
     """
 
     def __init__(self, dht, *, prefix: str, capacity: int, client_mode: bool, matchmaking_timeout_s: float,
@@ -239,6 +210,7 @@ class SpartaAverager(DecentralizedAverager):
             raise ValueError(f"capacity must be positive; got {capacity}")
         self.capacity = capacity
         self.window_s = float(matchmaking_timeout_s)
+        self.allreduce_timeout_s = float(allreduce_timeout_s)
         self.wire = wire_compression(wire_dtype)
         self.chunk_timeout_s = float(chunk_timeout_s)
         self._averaged = torch.zeros(capacity, dtype=torch.bool).share_memory_()
@@ -293,6 +265,11 @@ class SpartaAverager(DecentralizedAverager):
                             timeout=window + 2 * self.request_timeout_s + 5.0, wait=False)
         return PendingRound(self, round_index, segment, n, float(weight), control, started,
                             snapshot_sum=float(values.double().sum()))
+
+    @property
+    def round_deadline_s(self) -> float:
+        """The longest a round can last: matchmaking (two windows for a contributor) and the all-reduce."""
+        return 2 * self.window_s + self.allreduce_timeout_s + 10.0
 
     @property
     def request_timeout_s(self) -> float:
@@ -380,7 +357,7 @@ class SpartaAverager(DecentralizedAverager):
         stats[_S["round"]] = -1
         runner = None
         try:
-            runner = SpartaAllReduce(
+            runner = StageAllReduce(
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                 ordered_peer_ids=group_info.peer_ids, wire=self.wire, fault=plan.get("fault"),
                 on_fault=self._fault, **kwargs)
@@ -412,10 +389,30 @@ class SpartaAverager(DecentralizedAverager):
             stats[_S["round"]] = plan.get("round", -1)
 
 
-class PendingRound:
-    """A SPARTA round running in the background; poll :meth:`done`, then take :meth:`result` once."""
+def averager_prefix(run: str, stage: str, method: str) -> str:
+    """The stage's averaging group in the DHT (hivemind prefixes may not contain dots)."""
+    return f"{run}_{stage}_{method}".replace(".", "_")
 
-    def __init__(self, averager: SpartaAverager, round_index: int, segment: int, size: int, weight: float,
+
+def stage_averager(run: Run, stage: str, role: str, dht, capacity: int) -> StageAverager:
+    """The averaging transport of a worker of `stage` (`role`: operator or contributor), set from the
+    manifest section of the run's data-parallel method; started, sharing the worker's `dht`."""
+    method = run.data_parallel.method
+    if method not in ("sparta", "fgdiloco"):
+        raise ValueError(f"data_parallel.method {method!r} averages nothing; expected sparta or fgdiloco")
+    cfg = getattr(run.data_parallel, method)
+    return StageAverager(
+        dht, prefix=averager_prefix(run.metadata.name, stage, method), capacity=capacity,
+        client_mode=role == "contributor", matchmaking_timeout_s=cfg.matchmaking_timeout_s,
+        allreduce_timeout_s=cfg.allreduce_timeout_s, chunk_timeout_s=cfg.chunk_timeout_s,
+        chunk_bytes=cfg.chunk_bytes, wire_dtype=cfg.wire_dtype, startup_timeout_s=run.network.startup_timeout_s)
+
+
+class PendingRound:
+    """A round running in the background (a :class:`~agoractl.training.data_parallel.PendingAverage`);
+    poll :meth:`done`, then take :meth:`result` once."""
+
+    def __init__(self, averager: StageAverager, round_index: int, segment: int, size: int, weight: float,
                  control: StepControl, started: float, snapshot_sum: Optional[float] = None):
         self.averager, self.round, self.segment, self.size = averager, round_index, segment, size
         self.weight, self.control, self.started = weight, control, started
@@ -423,6 +420,9 @@ class PendingRound:
 
     def done(self) -> bool:
         return self.control.done()
+
+    def cancel(self) -> None:
+        self.control.cancel()
 
     def result(self, timeout: Optional[float] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], RoundRecord]:
         """(average, averaged mask, record). The average is None when nothing came back; values

@@ -91,10 +91,3 @@ def read_signals(dht, run: str, stage: str, timeout_s: float = 10.0) -> list[Pre
             out.append(sig)
     return sorted(out, key=lambda s: s.issued)
 
-
-def fault_for(signals: Iterable[PreemptSignal], peer: str, acted: set[str]) -> Optional[PreemptSignal]:
-    """The first signal targeting `peer` not yet acted on (ids in `acted`), or None."""
-    for sig in signals:
-        if peer in sig.targets and sig.id not in acted:
-            return sig
-    return None

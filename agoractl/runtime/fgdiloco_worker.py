@@ -1,243 +1,53 @@
-"""FGDiLoCo in a worker (seed 002; report §4.2): the replicas of a stage as DiLoCo replicas.
+"""FGDiLoCo wired into a worker process (seed 002; report §4.2): the outer rounds over the real transport.
 
-Attached to a :class:`~agoractl.training.worker.Worker` through its step callback, like the SPARTA
-side. The worker's ordinary optimizer steps are FGDiLoCo's inner steps; every
-``data_parallel.fgdiloco.inner_steps`` (H) stage steps an outer round ends and the next begins:
-
-- round start (stage step ``r * H``): the outer parameters z are the master weights, flattened in
-  the module's parameter order (as :func:`agoractl.sim.simulator.flat_parameters` orders a full
-  model); Mix1 of z starts in the **background** (:class:`Mixing`), while the H inner steps train;
-- round end (stage step ``(r + 1) * H``): Δ = y_H − z (:func:`~agoractl.algorithms.fgdiloco.round_delta`),
-  Mix1 is collected, Mix2 of Δ **blocks** the compute thread (every replica of the stage is at the
-  same step: the steps are collective), and the replica's outer step
-  (:func:`~agoractl.algorithms.fgdiloco.replica_outer_step`, Nesterov SGD with a momentum of its own)
-  turns x = Mix1(z) and Δ̂ = Mix2(Δ) into the next z, written back into the master weights.
-
-The maths are the simulator's own functions; this module only sequences them on the worker's
-steps. Mixing that fails (no partner, a timeout) keeps the replica's own values, value by value
-where a slice did not come back. Mixes are numbered 2r (Mix1) and 2r + 1 (Mix2) so replicas
-only ever meet for the same mix. A worker joining mid-round trains along and enters at the next
-round start. Each mix leaves a record and a ``round`` event (self-termination counts failures).
+The outer rounds (inner steps, Mix1 in the background, Mix2 blocking, the replica's outer step) are
+:class:`~agoractl.training.fgdiloco_rounds.FGDiLoCoRounds`; this module hands them what only a
+networked node has: the stage's averaging transport (:class:`~agoractl.runtime.averaging.StageAverager`,
+built by the worker node from ``data_parallel.fgdiloco`` and injected; the same transport SPARTA runs
+on), the stage's live peers read from the DHT, joining from a live peer or the checkpoint store
+(:mod:`agoractl.runtime.join`), and periodic snapshots
+(:class:`~agoractl.training.replica_writes.ReplicaWrites`).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any
 
-import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
-
-from agoractl import logs
 from agoractl.manifest.schema import Run
-from agoractl.algorithms.fgdiloco import OuterSGD, replica_outer_step, round_delta, variant_mixing
-
-
-class MixHandle(Protocol):
-    def done(self) -> bool: ...
-
-    def result(self, timeout: Optional[float] = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        """(mixed values — the replica's own where nothing came back, a record of the mix)."""
-
-
-class Mixing(Protocol):
-    """Moves one flat tensor among the stage's replicas: ``global`` (all) or ``local`` (a partner)."""
-
-    def start(self, kind: str, index: int, values: torch.Tensor) -> MixHandle: ...
-
-
-class Unmixed:
-    """Mixing ``none`` (or no partner alive): the replica's own values, at once."""
-
-    def __init__(self, values: torch.Tensor, record: dict[str, Any]):
-        self.values, self.record = values, record
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: Optional[float] = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.values.clone(), self.record
-
-
-class AveragerMix:
-    """A mix running on the stage's hivemind averager (:class:`~agoractl.runtime.averaging.SpartaAverager`)."""
-
-    def __init__(self, pending, values: torch.Tensor, kind: str):
-        self.pending, self.values, self.kind = pending, values, kind
-
-    def done(self) -> bool:
-        return self.pending.done()
-
-    def result(self, timeout: Optional[float] = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        average, averaged, rec = self.pending.result(timeout=timeout)
-        record = {**rec.as_dict(), "kind": self.kind}
-        if average is None:
-            return self.values.clone(), record
-        return torch.where(averaged, average, self.values), record
-
-
-class HivemindMixing:
-    """Mixing over hivemind: global = one group of every live replica, local = groups of two
-    (hivemind's matchmaking pairs the replicas at random; one left over keeps its values)."""
-
-    def __init__(self, averager, live_peers: Callable[[], int]):
-        self.averager, self.live_peers = averager, live_peers
-
-    def start(self, kind: str, index: int, values: torch.Tensor) -> MixHandle:
-        if kind == "none":
-            return Unmixed(values, {"round": index, "status": "skipped", "kind": kind})
-        live = self.live_peers()
-        if live < 2:
-            return Unmixed(values, {"round": index, "status": "skipped", "kind": kind,
-                                    "error": "no other replica of the stage"})
-        expected = live if kind == "global" else 2
-        pending = self.averager.begin_round(index, 0, values, 1.0, expected)
-        return AveragerMix(pending, values, kind)
-
-
-class FGDiLoCoWorker:
-    """The FGDiLoCo side of one worker: outer rounds on the stage's step cadence."""
-
-    def __init__(self, run: Run, worker, mixing: Mixing, deadline_s: float = 600.0):
-        fg = run.data_parallel.fgdiloco
-        self.run, self.worker, self.mixing, self.deadline_s = run, worker, mixing, deadline_s
-        self.kind1, self.kind2 = variant_mixing(fg.variant)
-        self.inner_steps = fg.inner_steps
-        self.outer = OuterSGD(lr=fg.outer_lr, momentum=fg.outer_momentum, nesterov=fg.nesterov)
-        self.round: Optional[int] = None
-        self.z: Optional[torch.Tensor] = None
-        self.mix1: Optional[MixHandle] = None
-        self.records: list[dict] = []
-        self.log = logs.get("fgdiloco")
-        worker.step_callbacks.append(self.on_step)
-
-    # -- parameters ---------------------------------------------------------------------------
-
-    def flat(self) -> torch.Tensor:
-        return parameters_to_vector([m.detach() for m in self.worker.master]).float().clone()
-
-    @torch.no_grad()
-    def assign(self, flat: torch.Tensor) -> None:
-        vector_to_parameters(flat.to(self.worker.master[0].dtype), list(self.worker.master))
-        if self.worker.master is not self.worker.params:
-            for p, m in zip(self.worker.params, self.worker.master):
-                p.copy_(m, non_blocking=True)
-
-    # -- rounds -------------------------------------------------------------------------------
-
-    def start(self, stage_step: int) -> None:
-        """Begin the current round if the worker starts on a round boundary (else at the next one)."""
-        if stage_step % self.inner_steps == 0 and stage_step < self.run.training.max_steps:
-            self.begin(stage_step // self.inner_steps)
-
-    def begin(self, r: int) -> None:
-        self.round, self.z = r, self.flat()
-        self.mix1 = self.mixing.start(self.kind1, 2 * r, self.z)  # finishes in the background
-
-    def on_step(self, step: int, worker) -> None:
-        done = step + 1  # steps the stage has completed
-        if done % self.inner_steps:
-            return
-        r = done // self.inner_steps - 1
-        if self.round == r:
-            self.finish()
-        if done < self.run.training.max_steps:
-            self.begin(r + 1)
-
-    def finish(self) -> None:
-        """End the running round: collect Mix1, Mix2 of Δ (blocking), the outer step into the weights."""
-        t0 = time.monotonic()
-        delta = round_delta(self.z, self.flat())
-        # Mix1 first: a replica's transport runs one mix at a time (it has had H steps to finish).
-        x, rec1 = self._wait(self.mix1, self.z)
-        mixed_delta, rec2 = self._wait(self.mixing.start(self.kind2, 2 * self.round + 1, delta), delta)
-        self.assign(replica_outer_step(x, mixed_delta, self.outer))
-        for mix, rec in (("mix1", rec1), ("mix2", rec2)):
-            self._record(mix, rec)
-        self.log.debug("outer round", round=self.round, seconds=round(time.monotonic() - t0, 3))
-        self.round, self.z, self.mix1 = None, None, None
-
-    def _wait(self, handle: MixHandle, own: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        try:
-            return handle.result(timeout=self.deadline_s)
-        except Exception as e:  # the averager is gone or stuck: this mix keeps the local values
-            return own.clone(), {"status": "failed", "error": f"{type(e).__name__}: {e}"[:300]}
-
-    def _record(self, mix: str, rec: dict) -> None:
-        d = {**rec, "mix": mix, "outer_round": self.round, "step": self.worker.progress.step}
-        self.records.append(d)
-        if d.get("status") in ("complete", "partial", "failed", "empty"):
-            self.worker.emit("round", status=d["status"], round=d.get("round"), mix=mix)
-        if d.get("status") in ("failed", "partial"):
-            self.log.warning("mix", mix=mix, round=self.round, status=d["status"], error=d.get("error"))
-
-    def summary(self) -> dict[str, Any]:
-        """What goes into the worker's final stats."""
-        outer = len({r["outer_round"] for r in self.records})
-        ran = {m: [r for r in self.records if r["mix"] == m and r.get("status") != "skipped"] for m in ("mix1", "mix2")}
-        success = {f"{m}_success_mean": (sum(r.get("averaging_success", 0.0) for r in rs) / len(rs)) if rs else None
-                   for m, rs in ran.items()}
-        return {"rounds": self.records, "fgdiloco": {"outer_rounds": outer, **success}}
+from agoractl.runtime.averaging import StageAverager
+from agoractl.runtime.join import join_stage, serve_state
+from agoractl.runtime.stage_peers import StagePeers
+from agoractl.training.fgdiloco_rounds import FGDiLoCoRounds, TransportMixing
+from agoractl.training.replica_writes import ReplicaWrites
 
 
 class FGDiLoCoNode:
-    """FGDiLoCo wired into a worker process: the averager, the stage's live peers, joining from a
-    live peer or the checkpoint store, and periodic snapshots. Create after the Worker, then
-    :meth:`join`, :meth:`start`; :meth:`shutdown` on exit."""
+    """The FGDiLoCo side of one worker (a :class:`~agoractl.training.data_parallel.DataParallelMethod`).
+    Create after the Worker, then :meth:`join`, :meth:`start`; :meth:`shutdown` on exit."""
 
-    def __init__(self, run: Run, worker, dht, records, peer: str):
-        from agoractl.runtime.averaging import SpartaAverager
-        from agoractl.training.replica_writes import ReplicaWrites
-        from agoractl.runtime.stage_peers import StagePeers
-
-        tr = run.data_parallel.sparta  # the transport settings are shared with SPARTA's averaging
-        self.run, self.worker = run, worker
+    def __init__(self, run: Run, worker, averager: StageAverager, records, peer: str):
+        self.run, self.worker, self.averager = run, worker, averager
         self.names = [n for n, p in worker.module.named_parameters() if p.requires_grad]
-        size = sum(int(m.numel()) for m in worker.master)
-        self.averager = SpartaAverager(
-            dht, prefix=f"{run.metadata.name}_{worker.name}_fgdiloco".replace(".", "_"), capacity=size,
-            client_mode=worker.role == "contributor", matchmaking_timeout_s=tr.matchmaking_timeout_s,
-            allreduce_timeout_s=tr.allreduce_timeout_s, chunk_timeout_s=tr.chunk_timeout_s,
-            chunk_bytes=tr.chunk_bytes, wire_dtype=tr.wire_dtype, startup_timeout_s=run.network.startup_timeout_s)
-        self.averager.state_provider = self._state
+        self.averager.state_provider = serve_state(worker)
         self.peers = StagePeers(records, worker.name, peer, run.workers.announce_period_s)
-        deadline = 2 * tr.matchmaking_timeout_s + tr.allreduce_timeout_s + 10.0
-        self.fg = FGDiLoCoWorker(run, worker, HivemindMixing(self.averager, lambda: self.peers.live), deadline)
+        mixing = TransportMixing(averager, lambda: self.peers.live)
+        self.rounds = FGDiLoCoRounds(run, worker, mixing, averager.round_deadline_s)
         self.writes = ReplicaWrites(run, worker, self.names, peer, publisher=self.peers.first_operator)
         worker.step_callbacks.append(lambda step, w: self.writes.on_step(step + 1, w.phase))
         self.join_facts: dict[str, Any] = {"source": "init", "loaded_step": 0}
 
-    def _state(self):
-        from agoractl.runtime.join import pack_state
-
-        return pack_state(list(zip(self.names, self.worker.master)), self.worker.optimizer, self.worker.name,
-                          self.worker.progress.step)
-
-    def join(self, stage_step: int) -> None:
+    def join(self, stage_step: int) -> dict[str, Any]:
         """A worker joining a stage that already trained loads its state (a live peer, else the store)."""
-        from agoractl.ops.checkpoint import CheckpointStore
-        from agoractl.runtime.join import apply_state, load_stage_state, unpack_state
-
-        def from_peers():
-            found = self.averager.load_stage_state(timeout=self.run.network.startup_timeout_s)
-            return None if found is None else unpack_state(*found)
-
-        def from_store():
-            store = CheckpointStore(self.run)
-            return None if store.latest_step(self.worker.name) is None else store.load(self.worker.name)
-
-        if stage_step > 0:
-            state, source = load_stage_state(self.worker.role, from_peers, from_store)
-            if state is not None:
-                loaded = apply_state(state, self.worker.module, self.worker.optimizer, self.worker.master)
-                self.join_facts = {"source": source, "loaded_step": loaded}
+        source, loaded = join_stage(self.run, self.worker, self.averager, stage_step)
+        self.join_facts = {"source": source, "loaded_step": loaded}
+        return self.join_facts
 
     def start(self) -> None:
         self.peers.start()
-        self.fg.start(self.worker.progress.step)
+        self.rounds.start(self.worker.progress.step)
 
     def summary(self) -> dict[str, Any]:
-        return {**self.fg.summary(), "join": self.join_facts}
+        return {**self.rounds.summary(), "join": self.join_facts}
 
     def shutdown(self) -> None:
         self.writes.shutdown()

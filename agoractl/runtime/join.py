@@ -1,8 +1,9 @@
 """Joining a running stage (report §3.3.1.1): the stage state a worker serves to joiners and loads.
 
 The state is the stage's trainable parameters and its AdamW state at a step. Operators serve it
-directly to joining peers (hivemind's ``rpc_download_state`` through the SPARTA averager, metadata
-+ tensors built by :func:`pack_state`); every replica can also come from the checkpoint store.
+directly to joining peers (hivemind's ``rpc_download_state`` through the stage's averager, metadata
++ tensors built by :func:`pack_state`; :func:`serve_state`); every replica can also come from the
+checkpoint store (:func:`join_stage` tries both).
 Operators ask live peers first, contributors the store first (the report: contributors load from
 periodically refreshed checkpoints, to spare the operators' bandwidth); with neither, a worker
 starts from the manifest's initial weights (step 0). How far behind its stage the loaded step is
@@ -16,8 +17,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from agoractl.ops import optimizer_state as opt_codec
-from agoractl.ops.checkpoint import Checkpoint
+from agoractl.ops.checkpoint import Checkpoint, CheckpointStore
 from agoractl.algorithms.optim import AdamW
+from agoractl.manifest.schema import Run
 
 
 def pack_state(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: Optional[AdamW],
@@ -79,3 +81,30 @@ def apply_state(state: Checkpoint, module: torch.nn.Module, optimizer: Optional[
             if m is not p:
                 m.copy_(p.detach().to(m.device))
     return step
+
+
+def serve_state(worker) -> Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]:
+    """The stage state a worker serves to joining peers (called on hivemind's background thread)."""
+    names = [n for n, p in worker.module.named_parameters() if p.requires_grad]
+    return lambda: pack_state(list(zip(names, worker.master)), worker.optimizer, worker.name, worker.progress.step)
+
+
+def join_stage(run: Run, worker, averager, stage_step: int) -> tuple[str, int]:
+    """(source, loaded step) of a worker joining its stage at `stage_step`: a stage that already
+    trained hands it its state from a live peer (through the stage's averager) or the checkpoint
+    store, in the worker's role's order; ``("init", 0)`` when the stage is new or nothing was found."""
+    if stage_step <= 0:
+        return "init", 0
+
+    def from_peers() -> Optional[Checkpoint]:
+        found = averager.load_stage_state(timeout=run.network.startup_timeout_s)
+        return None if found is None else unpack_state(*found)
+
+    def from_store() -> Optional[Checkpoint]:
+        store = CheckpointStore(run)
+        return None if store.latest_step(worker.name) is None else store.load(worker.name)
+
+    state, source = load_stage_state(worker.role, from_peers, from_store)
+    if state is None:
+        return "init", 0
+    return source, apply_state(state, worker.module, worker.optimizer, worker.master)

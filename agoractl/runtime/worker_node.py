@@ -16,10 +16,12 @@ Three threads:
 that joins a running stage starts at the stage's current step. Once the stage reached
 ``training.max_steps`` and no request came for :data:`FINISHED_IDLE_S` seconds, the worker exits.
 
-With ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
-joining worker's state, runs its sync phases and the stage's averaging rounds (its own threads and
-averager process); with ``fgdiloco`` a :class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs
-the stage's outer rounds instead (``self.data_parallel`` holds either). Every worker runs the
+The node builds the stage's averaging transport (:func:`~agoractl.runtime.averaging.stage_averager`,
+an averager process, set from the method's manifest section) and injects it into the data-parallel
+method (:class:`~agoractl.training.data_parallel.DataParallelMethod`, ``self.data_parallel``): with
+``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
+joining worker's state, runs its sync phases and the stage's averaging rounds; with ``fgdiloco`` a
+:class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs the stage's outer rounds instead. Every worker runs the
 self-termination rules (:class:`~agoractl.training.self_termination.Monitor`) on its events: when one fires
 the worker stops and the process exits with the rule's code.
 """
@@ -38,8 +40,12 @@ from agoractl import logs
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
+from agoractl.runtime.averaging import stage_averager
+from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
+from agoractl.runtime.sparta_worker import SpartaWorker
 from agoractl.algorithms.termination import Termination
+from agoractl.training.data_parallel import DataParallelMethod, transport_capacity
 from agoractl.training.self_termination import Monitor
 from agoractl.runtime.transport import StageServicer, namespace
 from agoractl.training.worker import Task, Worker
@@ -95,16 +101,13 @@ class WorkerNode:
         """The self-termination rule that fired (report §3.3.1.6), if one did."""
         self.monitor = Monitor(run.workers.self_termination, self._terminate)
         self.worker.listeners.append(self.monitor)
-        self.data_parallel = None
-        if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
-            from agoractl.runtime.sparta_worker import SpartaWorker
-
-            self.data_parallel = SpartaWorker(run, self.worker, self.dht, self.records, self.peer)
-            self.data_parallel.join(joined_at)
-        elif run.data_parallel.method == "fgdiloco":  # outer rounds, joining state
-            from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
-
-            self.data_parallel = FGDiLoCoNode(run, self.worker, self.dht, self.records, self.peer)
+        self.data_parallel: Optional[DataParallelMethod] = None
+        if run.data_parallel.method != "none":  # one averaging transport, whichever method runs on it
+            averager = stage_averager(run, stage, role, self.dht, transport_capacity(run, self.worker.module))
+            if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
+                self.data_parallel = SpartaWorker(run, self.worker, averager, self.dht, self.records, self.peer)
+            else:  # fgdiloco: outer rounds, joining state
+                self.data_parallel = FGDiLoCoNode(run, self.worker, averager, self.records, self.peer)
             self.data_parallel.join(joined_at)
         self.started = time.time()
         self.cpu_at_ready: dict = {}

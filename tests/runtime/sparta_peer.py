@@ -1,4 +1,4 @@
-"""A SPARTA averaging peer for the averaging tests: one process, its own DHT node, one SpartaAverager.
+"""A SPARTA averaging peer for the averaging tests: one process, its own DHT node, one StageAverager.
 
 Run as ``python -m tests.runtime.sparta_peer --initial-peer MADDR ...``. It prints ``ready`` once
 its averager runs and it sees ``--expected`` peers in the DHT, then reads one command per round
@@ -30,14 +30,14 @@ def main() -> None:
     import hivemind
     from hivemind.utils import ValueWithExpiration, get_dht_time
 
-    from agoractl.runtime.averaging import SpartaAverager
+    from agoractl.runtime.averaging import StageAverager
 
     dht = hivemind.DHT(initial_peers=args.initial_peer, start=True, client_mode=args.role == "contributor",
                        startup_timeout=120)
-    averager = SpartaAverager(dht, prefix="test_stage_sparta", capacity=args.size + 7,
-                              client_mode=args.role == "contributor", matchmaking_timeout_s=args.window,
-                              allreduce_timeout_s=60, chunk_timeout_s=5, chunk_bytes=args.chunk_bytes,
-                              wire_dtype=args.wire)
+    averager = StageAverager(dht, prefix="test_stage_sparta", capacity=args.size + 7,
+                             client_mode=args.role == "contributor", matchmaking_timeout_s=args.window,
+                             allreduce_timeout_s=60, chunk_timeout_s=5, chunk_bytes=args.chunk_bytes,
+                             wire_dtype=args.wire)
     # Ready once every expected peer is visible in the DHT: the first round then finds its group.
     dht.store("test_peers", subkey=str(dht.peer_id), value=True, expiration_time=get_dht_time() + 600)
     while len((dht.get("test_peers", latest=True) or ValueWithExpiration({}, 0)).value) < args.expected:

@@ -1,6 +1,6 @@
-"""SPARTA transport (agoractl.runtime.averaging) between real processes over loopback libp2p.
+"""The stage averaging transport (agoractl.runtime.averaging) between real processes over loopback libp2p.
 
-Each peer is a subprocess (tests/runtime/sparta_peer.py) with its own DHT node and SpartaAverager;
+Each peer is a subprocess (tests/runtime/sparta_peer.py) with its own DHT node and StageAverager;
 the test process hosts the seed DHT. Covers: the weighted average, contributors (client mode, no
 reduction), weight-0 peers absorbing without moving the others, a group of weight-0 peers, a
 contributor preempted during send, a reducer preempted during reduce, bytes per round against

@@ -4,7 +4,8 @@ from types import SimpleNamespace as W
 
 import pytest
 
-from agoractl.runtime.faults import PreemptSignal, choose_targets, eligible, fault_for, read_signals, write_signal
+from agoractl.runtime.faults import PreemptSignal, choose_targets, eligible, read_signals, write_signal
+from agoractl.training.sparta_rounds import fault_for
 
 WORKERS = [W(peer="a", role="operator"), W(peer="b", role="contributor"), W(peer="c", role="operator"),
            W(peer="d", role="contributor")]

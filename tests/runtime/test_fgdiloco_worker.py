@@ -1,122 +1,14 @@
-"""FGDiLoCo in the worker (agoractl.runtime.fgdiloco_worker).
-
-- In-process: real :class:`Worker` replicas of one stage, their mixes exchanged through an in-process
-  group (a thread per replica, since Mix2 blocks): after every outer round the workers' weights
-  equal what the simulator's own ``outer_round`` makes of the same z and y_H, for every variant.
-- A real swarm (``launch swarm``) of ``manifests/fgdiloco-local-cpu.yaml``, 2 stages x 2 workers:
-  outer rounds complete over hivemind and the loss falls.
+"""FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker): ``launch swarm`` of
+``manifests/fgdiloco-local-cpu.yaml``, 2 stages x 2 workers: outer rounds complete over hivemind and
+the loss falls. The outer rounds' maths in one process: tests/training/test_fgdiloco_rounds.py.
 """
 
 from __future__ import annotations
 
-import random
-import threading
-
 import pytest
-import torch
 
-from agoractl.manifest.loader import load_manifest
-from agoractl.algorithms.fgdiloco import OuterSGD, mix, outer_round
-from agoractl.runtime.fgdiloco_worker import FGDiLoCoWorker
-from agoractl.training.worker import Worker
 from tests.conftest import MANIFESTS
 from tests.runtime.test_swarm import by_stage, corpus, finish, procs, run_swarm, sets  # noqa: F401
-
-H = 3
-
-
-class InProcessGroup:
-    """The transport between in-process replicas: each mix waits for every replica's values, then
-    mixes them with the simulator's ``mix`` (two replicas: the local matching is the pair)."""
-
-    def __init__(self, n: int):
-        self.n, self.cond, self.values = n, threading.Condition(), {}
-
-    def member(self, m: int):
-        group = self
-
-        class Mixing:
-            def start(self, kind, index, values):
-                with group.cond:
-                    group.values.setdefault(index, {})[m] = values.clone()
-                    group.cond.notify_all()
-                return Handle(index)
-
-        class Handle:
-            def __init__(self, index):
-                self.index = index
-
-            def done(self):
-                return len(group.values[self.index]) == group.n
-
-            def result(self, timeout=None):
-                with group.cond:
-                    assert group.cond.wait_for(self.done, timeout=30), f"mix {self.index} never completed"
-                    vals = [group.values[self.index][i] for i in range(group.n)]
-                mixed = mix(kind_of(self.index), vals, [(0, 1)])
-                return mixed[m], {"round": self.index, "status": "complete", "averaging_success": 1.0}
-
-        return Mixing()
-
-
-def kind_of(index):  # set per test: Mix1 on even indices, Mix2 on odd
-    return KINDS[index % 2]
-
-
-KINDS = ["none", "global"]
-
-
-def flat(worker):
-    return torch.cat([p.detach().reshape(-1) for p in worker.master]).clone()
-
-
-@pytest.mark.parametrize("variant", ["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"])
-def test_worker_outer_step_equals_the_simulators(variant):
-    from agoractl.algorithms.fgdiloco import variant_mixing
-
-    KINDS[:] = list(variant_mixing(variant))
-    run = load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", [
-        "model.seq_len=16", "training.global_batch_size=4", "training.max_steps=100",
-        f"data_parallel.fgdiloco.variant={variant}", f"data_parallel.fgdiloco.inner_steps={H}"])
-    group = InProcessGroup(2)
-    workers = [Worker(run, 0) for _ in range(2)]
-    seen = {m: {} for m in range(2)}  # replica -> {step done: flat params before the outer step}
-    for m, w in enumerate(workers):
-        w.step_callbacks.append(lambda step, w, m=m: seen[m].__setitem__(step + 1, flat(w)))
-    fgs = [FGDiLoCoWorker(run, w, group.member(m)) for m, w in enumerate(workers)]
-    z0 = [flat(w) for w in workers]
-    assert torch.equal(z0[0], z0[1])
-
-    def train(m):
-        w = workers[m]
-        gen = torch.Generator().manual_seed(100 + m)  # replicas see different data
-        fgs[m].start(0)
-        for _ in range(2 * H):
-            for p in w.params:
-                p.grad = torch.randn(p.shape, generator=gen) * 0.1
-            w.progress.add(2)
-            w.step()
-
-    threads = [threading.Thread(target=train, args=(m,)) for m in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-
-    # The simulator's update for the same inputs: z at each round start, y_H at its end.
-    opts = [OuterSGD(run.data_parallel.fgdiloco.outer_lr, run.data_parallel.fgdiloco.outer_momentum,
-                     run.data_parallel.fgdiloco.nesterov) for _ in range(2)]
-    z = z0
-    for r in range(2):
-        y = [seen[m][(r + 1) * H] for m in range(2)]
-        z = outer_round(z, y, variant, opts, random.Random(0))
-        if r == 0:  # the workers' next round started from these z
-            for m in range(2):
-                assert not torch.equal(y[m], z[m])
-    for m, w in enumerate(workers):
-        assert torch.equal(flat(w), z[m]), (variant, m, float((flat(w) - z[m]).abs().max()))
-    assert [len(fg.records) for fg in fgs] == [4, 4]
-    assert fgs[0].summary()["fgdiloco"]["outer_rounds"] == 2
 
 
 @pytest.mark.swarm
@@ -125,7 +17,7 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
     values = corpus + [
         "model.seq_len=64", "training.max_steps=16", "training.schedule.warmup_steps=2",
         "data_parallel.fgdiloco.inner_steps=4", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
-        "trainers.request_timeout_s=30", "network.startup_timeout_s=90", "data_parallel.sparta.matchmaking_timeout_s=10",
+        "trainers.request_timeout_s=30", "network.startup_timeout_s=90", "data_parallel.fgdiloco.matchmaking_timeout_s=10",
         f"local.run_dir={run_dir}", f"checkpoints.store={tmp_path / 'store'}"]
     p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-local-cpu.yaml")
     report = finish(p, run_dir)

@@ -1,0 +1,212 @@
+"""AsyncSPARTA rounds of one worker (report §3.3.1.7, §4.2): when a round starts, with what weight,
+what it waits for, and how its result is applied. No networking: the rounds run over an injected
+:class:`~agoractl.training.data_parallel.AveragingTransport` (hivemind in a worker node, an in-memory
+one in the unit tests) and read the stage's live replicas from an injected
+:class:`~agoractl.training.data_parallel.StageView`.
+
+Attached to a :class:`~agoractl.training.worker.Worker` through its step callback (the compute
+thread, between optimizer steps, where the weights may change):
+
+- after the stage's step ``k * every_steps`` the worker snapshots segment ``round mod n_segments``
+  of its master weights (:class:`~agoractl.algorithms.sparta.SegmentTiling` from the manifest's seed)
+  and starts averaging it in the background, weighted by the samples it contributed since its last
+  round (0 in the sync phases, :mod:`agoractl.algorithms.sync_phases`);
+- at every later step callback it checks the round: once done, the result is applied with the
+  delta rule (:func:`~agoractl.algorithms.sparta.apply_round`; values that did not come back keep
+  their local values), and the round's record is kept and emitted as a ``round`` event
+  (self-termination counts failures);
+- a round due while the previous one still runs (rounds slower than ``every_steps`` steps) waits
+  for it first: every replica takes part in every round, in order, and training slows to the pace
+  of averaging rather than letting the replicas drift into different rounds; the wait is recorded
+  (``waited_s``). With no other replica alive, or while a joiner catches up with the stage's step
+  counter, the round is skipped; a replica a step or two behind still joins it;
+- a preemption signal aimed at this worker (:attr:`SpartaRounds.signals`, kept current by the
+  node's DHT watcher) is armed, once, for the next round it starts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from agoractl import logs
+from agoractl.algorithms.sparta import SegmentTiling, apply_round, round_summary
+from agoractl.algorithms.sync_phases import SyncPhases
+from agoractl.manifest.schema import Run
+from agoractl.training.data_parallel import AveragingTransport, PendingAverage, RoundRecord, StageView
+
+
+class SpartaRounds:
+    """The SPARTA rounds of one worker over `transport`; registers itself as a step callback.
+
+    `peer` is this worker's id (preemption signals name their targets by it); `writes`, if given,
+    gets ``on_step(step, phase, meta)`` after every step (replica snapshots, operator checkpoints);
+    `on_phase` is called with every new sync phase.
+    """
+
+    def __init__(self, run: Run, worker, transport: AveragingTransport, peers: StageView, peer: str = "",
+                 writes=None, on_phase: Optional[Callable[[str], None]] = None):
+        self.run, self.worker, self.transport, self.peers, self.peer = run, worker, transport, peers, peer
+        self.writes, self.on_phase = writes, on_phase
+        self.cfg = run.data_parallel.sparta
+        named = list(worker.module.named_parameters())
+        if any(not p.requires_grad for _, p in named):
+            raise ValueError("SPARTA tiles trainable parameters; this stage has frozen parameters")
+        self.names = [n for n, _ in named]
+        self.master = dict(zip(self.names, worker.master))
+        self.compute = dict(zip(self.names, worker.params))
+        self.tiling = SegmentTiling({n: tuple(p.shape) for n, p in named}, run.n_segments(), self.cfg.seed)
+        self.phases = SyncPhases(run.join, 0)
+        self.pending: Optional[tuple[PendingAverage, torch.Tensor]] = None
+        self.waited_s: dict[int, float] = {}
+        """Per round, how long the compute thread waited for the previous round before starting it."""
+        self.rounds: list[dict] = []
+        self.samples_since_round = 0
+        self.last_segment: Optional[int] = None
+        self.signals: list = []
+        """Preemption signals of the stage (``id``, ``targets``, ``during``), replaced by the node's watcher."""
+        self.acted: set[str] = set()
+        self.log = logs.get("sparta")
+        worker.step_callbacks.append(self.on_step)
+
+    # -- sync phases --------------------------------------------------------------------------
+
+    def enter(self, stale_steps: int, stage_step: int) -> str:
+        """A worker `stale_steps` behind its stage (at `stage_step`) starts in its first sync phase."""
+        self.phases = SyncPhases(self.run.join, stale_steps, stage_step)
+        self._set_phase(self.phases.phase)
+        return self.phases.phase
+
+    def _set_phase(self, phase: str) -> None:
+        self.worker.phase = phase
+        self.worker.emit("phase", phase=phase, step=self.worker.progress.step)
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
+    # -- the step callback (compute thread) ---------------------------------------------------
+
+    def on_step(self, step: int, worker) -> None:
+        done = step + 1  # steps the stage has completed
+        if worker.stats.steps:
+            self.samples_since_round += int(worker.stats.steps[-1][2])
+        # Sync phases last a number of the stage's steps: steps this worker takes only to catch up with
+        # its stage's counter (a joiner whose counter starts behind its loaded state) do not count.
+        changed = None if worker.progress.ahead() else self.phases.on_step(done)
+        if changed is not None:
+            self._set_phase(changed)
+            self.log.info("sync phase", phase=changed, step=done)
+        self.collect()
+        if self.writes is not None:
+            self.writes.on_step(done, self.phases.phase,
+                                None if self.last_segment is None else {"last_averaged_segment": self.last_segment})
+        # No round after the last step: the stage is done and its workers are leaving.
+        if done % self.cfg.every_steps == 0 and done < self.run.training.max_steps:
+            self.begin(done // self.cfg.every_steps - 1, done)
+
+    def collect(self, wait_s: float = 0.0) -> Optional[dict]:
+        """Apply the running round if it finished (waiting up to `wait_s` for it); returns its record."""
+        if self.pending is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while not self.pending[0].done():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+        pending, snapshot = self.pending
+        self.pending = None
+        average, averaged, rec = pending.result(timeout=1.0)
+        if rec.status == "failed" and rec.group_size == 0 and self.peers.others_now == 0:
+            # Nobody to average with (the other replicas left): not this worker's failure.
+            rec.status, rec.error = "skipped", "no other replica of the stage"
+        if average is not None:
+            apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
+            if self.compute is not self.master:
+                for name in self.names:
+                    if self.compute[name] is not self.master[name]:
+                        self.compute[name].copy_(self.master[name], non_blocking=True)
+            self.last_segment = pending.segment
+        self.tiling.release(pending.segment)
+        return self._record(rec, applied_at=self.worker.progress.step)
+
+    def _record(self, rec: RoundRecord, **extra) -> dict:
+        d = {**rec.as_dict(), "phase": self.phases.phase, "waited_s": self.waited_s.pop(rec.round, 0.0), **extra}
+        self.rounds.append(d)
+        self.worker.emit("round", **{k: v for k, v in d.items() if k != "error"}, error=rec.error)
+        if rec.status in ("failed", "partial"):
+            self.log.warning("averaging round", round=rec.round, status=rec.status,
+                             averaging_success=rec.averaging_success, error=rec.error)
+        return d
+
+    def _fault(self, round_index: int) -> Optional[str]:
+        """The preemption point armed for this round: the first signal aimed at this worker not yet
+        acted on (each signal strikes once)."""
+        sig = fault_for(self.signals, self.peer, self.acted)
+        if sig is None:
+            return None
+        self.acted.add(sig.id)
+        self.log.warning("preemption armed", signal=sig.id, during=sig.during, round=round_index)
+        return sig.during
+
+    def begin(self, round_index: int, step: int) -> None:
+        """Start round `round_index` after the stage's step `step` (or record why it did not start)."""
+        segment = round_index % self.tiling.segments
+        waited = 0.0
+        if self.pending is not None:
+            # Rounds slower than every_steps steps: wait for the previous one rather than skip or delay
+            # this one, so that every replica takes part in every round, in order (skipping here would
+            # leave the replicas in different rounds, and none of them would find a group).
+            t0 = time.monotonic()
+            self.collect(wait_s=self.transport.round_deadline_s)
+            waited = time.monotonic() - t0
+            if self.pending is not None:  # the transport is stuck past every deadline
+                self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
+                             step=step)
+                return
+        if self.worker.progress.stage_step() - step >= self.cfg.every_steps:
+            # Catching up with the stage's step (a joiner whose state is newer than its step counter):
+            # the other replicas have moved past this round. A replica a step or two behind (it learns
+            # of the stage's steps through the DHT) still meets the others in this round's matchmaking.
+            self._record(RoundRecord(round_index, segment, "skipped", error="catching up with the stage's step"),
+                         step=step)
+            return
+        if self.peers.live < 2:
+            self._record(RoundRecord(round_index, segment, "skipped", error="no other replica of the stage"),
+                         step=step)
+            return
+        weight = self.phases.averaging_weight(self.samples_since_round)
+        self.samples_since_round = 0
+        fault = self._fault(round_index)
+        snapshot = self.tiling.gather(self.master, segment)
+        try:
+            pending = self.transport.begin_round(round_index, segment, snapshot, weight, self.peers.live, fault)
+        except Exception as e:  # the transport is gone or stuck: this round fails
+            self._record(RoundRecord(round_index, segment, "failed", weight=weight, error=f"{type(e).__name__}: {e}"),
+                         step=step)
+            return
+        self.pending = (pending, snapshot)
+        self.waited_s[round_index] = round(waited, 3)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """What goes into the worker's final stats."""
+        return {"rounds": self.rounds, "phases": [list(h) for h in self.phases.history],
+                "sparta": round_summary(self.rounds)}
+
+    def cancel(self) -> None:
+        """Give up on the running round (shutdown)."""
+        if self.pending is not None:
+            try:
+                self.pending[0].cancel()
+            except Exception:
+                pass
+
+
+def fault_for(signals: Iterable, peer: str, acted: set[str]):
+    """The first signal targeting `peer` not yet acted on (ids in `acted`), or None."""
+    for sig in signals:
+        if peer in sig.targets and sig.id not in acted:
+            return sig
+    return None
