@@ -21,9 +21,9 @@ an averager process, set from the method's manifest section) and injects it into
 method (:class:`~agoractl.training.data_parallel.DataParallelMethod`, ``self.data_parallel``): with
 ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
 joining worker's state, runs its sync phases and the stage's averaging rounds; with ``fgdiloco`` a
-:class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs the stage's outer rounds instead. Every worker runs the
-self-termination rules (:class:`~agoractl.training.self_termination.Monitor`) on its events: when one fires
-the worker stops and the process exits with the rule's code.
+:class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs the stage's outer rounds instead.
+Every worker runs the self-termination rules (:class:`~agoractl.training.self_termination.Monitor`)
+on its events: when one fires the worker stops and the process exits with the rule's code.
 """
 
 from __future__ import annotations
