@@ -115,7 +115,7 @@ def test_worker_sigkilled_mid_write_then_driver_crash_and_rerun(world):
     cluster, s3 = world["cluster"], world["s3"]
     ex = DaskExecutor(cluster.scheduler_address)
     try:
-        ex.client.wait_for_workers(2, timeout=60)
+        ex.client.wait_for_workers(2, timeout=240)
         pids = ex.client.run(os.getpid)
         killed = []
 
@@ -128,7 +128,7 @@ def test_worker_sigkilled_mid_write_then_driver_crash_and_rerun(world):
         # The scheduler reruns the lost worker's tasks: the job completes, same bytes.
         assert reshard(_run(world, "killed"), executor=ex, unit_bytes=1, progress=kill).written == SHARDS
         assert killed and _objects(s3, "killed/") == world["reference"]
-        ex.client.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
+        ex.client.wait_for_workers(2, timeout=240)  # the nanny restarted the killed worker
         assert killed[0] not in ex.client.run(os.getpid).values()
 
         def crash(phase, done, total):
