@@ -136,13 +136,13 @@ class Balancer:
         else:
             w.throughput, w.measured = sample, True
 
-    def ban(self, peer: str, now: float) -> None:
-        """Skip `peer` for ban_s seconds (counted in :attr:`bans`). Unknown peers are remembered too,
-        so that a failed worker discovery still lists is not chosen again."""
+    def ban(self, peer: str, now: float, duration: Optional[float] = None) -> None:
+        """Skip `peer` for `duration` seconds (default ban_s; counted in :attr:`bans`). Unknown peers are
+        remembered too, so that a failed worker discovery still lists is not chosen again."""
         w = self.workers.get(peer)
         if w is None:
             w = self.workers[peer] = WorkerLoad(peer, self._max_load(now), DEFAULT_THROUGHPUT)
-        w.banned_until = now + self.ban_s
+        w.banned_until = max(w.banned_until, now + (self.ban_s if duration is None else float(duration)))
         w.failures += 1
         self.bans += 1
 

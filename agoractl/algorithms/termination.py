@@ -15,6 +15,11 @@ ram                  83   host RAM use above ``max_ram_fraction``
 dht_unreachable      84   the DHT (peer-to-peer connectivity, the run's progress) unreachable for
                           ``dht_unreachable_s`` seconds
 device_error         85   the accelerator failed (e.g. a CUDA error; immediate)
+refused_outputs      87   trainers rejected this worker's outputs (non-finite, malformed or
+                          absurd; :mod:`agoractl.algorithms.validation`): ``refused_outputs``
+                          notices within ``refused_window_s`` seconds, from at least
+                          ``refused_min_trainers`` distinct trainers (one trainer alone cannot
+                          make an honest worker leave)
 ==================== ==== =====================================================================
 
 Exit code 86 (:data:`EXIT_PREEMPTED`) is not a rule: it is how a worker preempted by fault
@@ -25,7 +30,8 @@ Events (dicts with an ``event`` key):
 ``{"event": "gradients", "finite": bool, "step": int}``,
 ``{"event": "round", "status": "complete"|"partial"|"failed"|"empty"|"skipped", "round": int}``,
 ``{"event": "ram", "fraction": float}``, ``{"event": "dht", "ok": bool, "time": float}``,
-``{"event": "device_error", "error": str}``. Unknown events are ignored.
+``{"event": "device_error", "error": str}``,
+``{"event": "refused", "trainer": str, "reason": str, "time": float}``. Unknown events are ignored.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ EXIT_CODES: dict[str, int] = {
     "ram": 83,
     "dht_unreachable": 84,
     "device_error": 85,
+    "refused_outputs": 87,
 }
 """Exit code of each self-termination rule; distinct, and distinct from 0, 1, 2 and 86."""
 
@@ -77,6 +84,7 @@ class SelfTermination:
         self.clock = clock
         self.rounds: deque[bool] = deque(maxlen=config.window_rounds)  # True = failed
         self.dht_down_since: Optional[float] = None
+        self.notices: deque[tuple[float, str]] = deque()  # (time, trainer) of refused outputs
         self.fired: Optional[Termination] = None
 
     def observe(self, event: Mapping[str, Any]) -> Optional[Termination]:
@@ -126,3 +134,15 @@ class SelfTermination:
 
     def _on_device_error(self, e: Mapping[str, Any]) -> Optional[Termination]:
         return _fire("device_error", f"accelerator failure: {e.get('error', 'unknown')}")
+
+    def _on_refused(self, e: Mapping[str, Any]) -> Optional[Termination]:
+        now = float(e.get("time", self.clock()))
+        self.notices.append((now, str(e.get("trainer", ""))))
+        while self.notices and now - self.notices[0][0] > self.config.refused_window_s:
+            self.notices.popleft()
+        trainers = {t for _, t in self.notices}
+        if len(self.notices) >= self.config.refused_outputs and len(trainers) >= self.config.refused_min_trainers:
+            return _fire("refused_outputs", f"{len(trainers)} trainers refused {len(self.notices)} of this worker's "
+                                            f"outputs within {self.config.refused_window_s:g} s (last: "
+                                            f"{e.get('reason', 'unknown')})")
+        return None

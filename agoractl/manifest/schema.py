@@ -218,6 +218,12 @@ class SelfTermination(Section):
     """Exit when host RAM use exceeds this fraction."""
     dht_unreachable_s: float = Field(60.0, gt=0)
     """Exit when the DHT (peer-to-peer connectivity, the run's progress) stays unreachable this long, in seconds."""
+    refused_outputs: int = Field(3, gt=0)
+    """Exit when trainers refused this many of the worker's outputs within refused_window_s (rule refused_outputs)."""
+    refused_window_s: float = Field(300.0, gt=0)
+    """Window of the refused_outputs rule, in seconds."""
+    refused_min_trainers: int = Field(2, gt=0)
+    """Distinct trainers the refusals must come from (one hostile trainer cannot make a worker leave)."""
 
 
 class Workers(Section):
@@ -249,6 +255,26 @@ class Trainers(Section):
     """Re-dispatches of one request to other replicas before the sample is counted as lost."""
     request_timeout_s: float = Field(60.0, gt=0)
     """Seconds to wait for one forward or backward reply."""
+
+
+class Validation(Section):
+    """Checks on what nodes receive (:mod:`agoractl.algorithms.validation`): a faulty node is banned, not obeyed."""
+
+    enabled: bool = True
+    """Check stage outputs, gradients and losses at trainers, requests at workers, parts in averaging."""
+    norm_multiple: float = Field(100.0, gt=1)
+    """Reject a stage output or gradient whose per-sample RMS exceeds this many times the stage's recent median."""
+    norm_window: int = Field(64, gt=0)
+    """Recent accepted samples (per stage and kind) the median is taken over."""
+    warmup: int = Field(8, ge=1)
+    """Accepted samples per stage and kind before the magnitude bound applies (finiteness always does)."""
+    loss_multiple: float = Field(10.0, gt=1)
+    """Reject a per-sample loss above this many times ln(model.vocab_size) (a uniform guess's loss)."""
+    part_multiple: float = Field(10.0, gt=0)
+    """Drop an averaging part further from this peer's values than this many times their RMS."""
+    fault_ban_s: float = Field(600.0, ge=0)
+    """Seconds a worker whose output was rejected stays banned (doubling on every repeat); trainers.ban_s is
+    for ordinary failures."""
 
 
 class Admission(Section):
@@ -337,6 +363,7 @@ class Run(Section):
     join: Join = Join()
     workers: Workers = Workers()
     trainers: Trainers = Trainers()
+    validation: Validation = Validation()
     admission: Admission = Admission()
     data: Data = Data()
     checkpoints: Checkpoints = Checkpoints()

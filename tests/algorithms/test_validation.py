@@ -1,0 +1,160 @@
+"""Unit tests of the validation rules (agoractl.algorithms.validation): every kind of bad tensor is
+rejected with the right reason, valid edge cases pass (legitimately large early losses, the first
+samples before any magnitude history, a stage's values drifting within bounds), the refused_outputs
+self-termination rule, and the fault drills. In-memory, no network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agoractl.algorithms.termination import EXIT_CODES, SelfTermination
+from agoractl.algorithms.validation import (FaultBook, Invalid, NormTracker, ReplyChecks, check_losses, check_tensor,
+                                            loss_bound, part_problem, request_problem, update_mask)
+from agoractl.manifest.schema import Run, SelfTermination as SelfTerminationConfig
+from agoractl.training.fault_drill import corrupt_part, corrupt_results
+
+NAN, INF = float("nan"), float("inf")
+
+
+def reason(fn, *args, **kwargs) -> str:
+    with pytest.raises(Invalid) as e:
+        fn(*args, **kwargs)
+    return e.value.reason
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_a_single_non_finite_value_is_rejected_naming_the_count(bad):
+    t = torch.randn(2, 8, 4)
+    t[1, 3, 2] = bad
+    with pytest.raises(Invalid, match=r"1 non-finite value\(s\) \(NaN or inf\) of 64") as e:
+        check_tensor("wire", t, (2, 8, 4))
+    assert e.value.reason == "non_finite"
+
+
+def test_shape_dtype_and_missing_tensors_are_rejected():
+    assert reason(check_tensor, "wire", torch.zeros(2, 8, 5), (2, 8, 4)) == "shape"
+    assert reason(check_tensor, "wire", torch.zeros(2, 8), (2, 8, 4)) == "shape"
+    assert reason(check_tensor, "wire", None, (2, 8, 4)) == "shape"
+    assert reason(check_tensor, "wire", torch.zeros(2, 8, 4, dtype=torch.float64), (2, 8, 4)) == "dtype"
+    check_tensor("wire", torch.zeros(2, 8, 4, dtype=torch.bfloat16), (None, 8, None))  # wildcards, wire dtypes
+
+
+def test_requests_a_worker_refuses():
+    ids = torch.randint(0, 256, (2, 9), dtype=torch.int32)
+    wire, grad = torch.randn(2, 8, 4), torch.randn(2, 8, 4)
+    assert request_problem("forward", ids, None, None, 256, needs_wire=False) is None
+    assert request_problem("backward", ids, wire, grad, 256, needs_wire=True) is None
+    assert "non-finite" in request_problem("forward", ids, torch.full_like(wire, NAN), None, 256, needs_wire=True)
+    assert "grad holds" in request_problem("backward", ids, wire, torch.full_like(grad, INF), 256, needs_wire=True)
+    assert "outside [0, 256)" in request_problem("forward", ids + 300, None, None, 256, needs_wire=False)
+    assert "wire is missing" in request_problem("forward", ids, None, None, 256, needs_wire=True)
+    assert "expected (2, 8, '*')" in request_problem("forward", ids, torch.randn(2, 7, 4), None, 256, needs_wire=True)
+    assert "dtype float32" in request_problem("forward", ids.float(), None, None, 256, needs_wire=False)
+
+
+def test_magnitude_bound_applies_after_warmup_and_is_robust_to_one_outlier():
+    tracker = NormTracker(multiple=100, window=16, warmup=4)
+    huge = torch.randn(1, 8, 4) * 1e6
+    tracker.observe(tracker.check("wire", huge))  # before warmup nothing but finiteness is checked
+    for _ in range(4):
+        tracker.observe(tracker.check("wire", torch.randn(1, 8, 4)))
+    assert tracker.bound() < 1e3  # the median ignores the outlier let in early
+    assert reason(tracker.check, "wire", huge) == "magnitude"
+    tracker.check("wire", torch.randn(3, 8, 4) * 20)  # a stage's values drifting 20x: still accepted
+
+
+def test_an_all_zero_history_does_not_reject_everything():
+    tracker = NormTracker(multiple=10, window=8, warmup=2)
+    tracker.observe([0.0, 0.0])
+    assert tracker.bound() > 0
+    assert reason(tracker.check, "grad", torch.ones(1, 4)) == "magnitude"  # but a bound exists
+
+
+def test_losses_legitimately_large_early_in_training_pass():
+    vocab = 50_000
+    first = math.log(vocab) * 1.5  # a fresh model, worse than a uniform guess
+    check_losses(torch.tensor([first, first * 2]), 2, vocab, multiple=10)
+    check_losses(torch.tensor([0.0]), 1, vocab, multiple=10)
+    assert reason(check_losses, torch.tensor([NAN]), 1, vocab, 10) == "non_finite"
+    assert reason(check_losses, torch.tensor([loss_bound(vocab, 10) + 1]), 1, vocab, 10) == "loss"
+    assert reason(check_losses, torch.tensor([-1.0]), 1, vocab, 10) == "loss"
+    assert reason(check_losses, torch.tensor([1.0, 2.0]), 1, vocab, 10) == "shape"
+
+
+def test_averaging_parts_and_updates():
+    local = torch.randn(1000) * 0.02
+    assert part_problem(local + torch.randn(1000) * 0.01, float(local.pow(2).mean().sqrt()), 10) is None
+    assert "non-finite" in part_problem(torch.full_like(local, NAN), 0.02, 10)
+    assert "RMS" in part_problem(local * 1e6, float(local.pow(2).mean().sqrt()), 10)
+    assert part_problem(local * 1e6, None, 10) is None  # only finiteness without a reference
+    update = torch.randn(1000) * 0.001
+    update[:10] = NAN
+    update[10:20] = 1e4
+    mask = update_mask(update, local, 10)
+    assert not mask[:20].any() and mask[20:].all()
+
+
+def test_fault_book_bans_longer_on_every_repeat():
+    book = FaultBook(fault_ban_s=600, max_ban_s=2000)
+    assert book.record("p", "body-1", "non_finite") == 600
+    assert book.record("p", "body-1", "magnitude") == 1200
+    assert book.record("p", "body-1", "magnitude") == 2000
+    assert book.counts["p"] == {"stage": "body-1", "non_finite": 1, "magnitude": 2} and book.total("p") == 3
+
+
+def _replies(run: Run):
+    n, length, k = 2, run.model.seq_len, run.model.ssn.rank or run.model.d_model
+    ids = torch.randint(0, 256, (n, length + 1), dtype=torch.int32)
+    return ids, torch.randn(n, length, k)
+
+
+def test_reply_checks_follow_what_each_stage_promises():
+    run = Run()
+    checks = ReplyChecks(run)
+    ids, wire = _replies(run)
+    for _ in range(run.validation.warmup):
+        checks.check("head", "forward", {"ids": ids}, {"wire": wire}, {"step": 0})
+        checks.check("tail", "forward_backward", {"ids": ids, "wire": wire},
+                     {"loss": torch.tensor([5.5, 6.0]), "grad": wire * 1e-3}, {"step": 0})
+    checks.check("head", "backward", {"ids": ids, "grad": wire}, {}, {"step": 1})  # the head returns no gradient
+    assert reason(checks.check, "head", "forward", {"ids": ids}, {"wire": wire * NAN}, {}) == "non_finite"
+    assert reason(checks.check, "head", "forward", {"ids": ids}, {"wire": wire * 1e6}, {}) == "magnitude"
+    assert reason(checks.check, "head", "forward", {"ids": ids}, {"wire": wire[:, :-1]}, {}) == "shape"
+    assert reason(checks.check, "head", "forward", {"ids": ids}, {"wire": wire.half()}, {}) == "dtype"
+    assert reason(checks.check, "tail", "forward_backward", {"ids": ids, "wire": wire},
+                  {"loss": torch.tensor([5.5, NAN]), "grad": wire}, {}) == "non_finite"
+    assert reason(checks.check, "tail", "forward_backward", {"ids": ids, "wire": wire},
+                  {"loss": torch.tensor([5.5, 5.0]), "grad": wire * 1e6}, {}) == "magnitude"
+    assert reason(checks.check, "head", "forward", {"ids": ids}, {"wire": wire},
+                  {"step": run.training.max_steps + 1}) == "shape"
+
+
+def test_refused_outputs_needs_notices_from_several_trainers_within_the_window():
+    rules = SelfTermination(SelfTerminationConfig(refused_outputs=3, refused_window_s=100, refused_min_trainers=2))
+    for t in range(5):  # one trainer alone, however many notices, cannot make a worker leave
+        assert rules.observe({"event": "refused", "trainer": "A", "time": float(t)}) is None
+    fired = rules.observe({"event": "refused", "trainer": "B", "time": 6.0, "reason": "forward: NaN"})
+    assert fired.rule == "refused_outputs" and fired.exit_code == EXIT_CODES["refused_outputs"] == 87
+    late = SelfTermination(SelfTerminationConfig(refused_outputs=2, refused_window_s=10, refused_min_trainers=2))
+    late.observe({"event": "refused", "trainer": "A", "time": 0.0})
+    assert late.observe({"event": "refused", "trainer": "B", "time": 50.0}) is None  # the first one expired
+
+
+def test_fault_drills_corrupt_what_they_name():
+    results = [{"wire": torch.ones(1, 4)}]
+    corrupt_results("nan-outputs", "forward", results, [])
+    assert results[0]["wire"].isnan().all()
+    results = [{"wire": torch.ones(1, 4)}]
+    corrupt_results("huge-outputs", "forward", results, [])
+    assert results[0]["wire"].eq(1e6).all()
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    results = [{"grad": torch.ones(1, 4), "loss": torch.ones(1)}]
+    corrupt_results("nan-grads", "forward_backward", results, [p])
+    assert results[0]["grad"].isnan().all() and results[0]["loss"].isnan().all() and p.grad.isnan().all()
+    values = torch.ones(5)
+    assert corrupt_part("nan-parts", values).isnan().all() and corrupt_part("huge-parts", values).eq(1e6).all()
+    assert corrupt_part(None, values) is values and values.eq(1).all()
