@@ -175,9 +175,9 @@ def part_problem(part: torch.Tensor, reference_rms: Optional[float], multiple: f
     `multiple` × `reference_rms` (the RMS of this peer's own values; None: only finiteness is checked)."""
     if not all_finite(part):
         return "part holds non-finite values"
-    if reference_rms is not None:
+    if reference_rms is not None and reference_rms > RMS_FLOOR:  # all-zero values of ours bound nothing
         got = rms(part)
-        if got > multiple * max(reference_rms, RMS_FLOOR):
+        if got > multiple * reference_rms:
             return f"part has RMS {got:.3g}, above {multiple:g} x this peer's {reference_rms:.3g}"
     return None
 
@@ -185,7 +185,10 @@ def part_problem(part: torch.Tensor, reference_rms: Optional[float], multiple: f
 def update_mask(update: torch.Tensor, local: torch.Tensor, multiple: float) -> torch.Tensor:
     """Which values of an averaged update (average − local) to apply: finite, and no larger than
     `multiple` × the RMS of this peer's `local` values (the rest count as not averaged)."""
-    return torch.isfinite(update) & (update.abs() <= multiple * max(rms(local), RMS_FLOOR))
+    ref = rms(local)
+    if ref <= RMS_FLOOR:  # all-zero values of ours bound nothing: finiteness only
+        return torch.isfinite(update)
+    return torch.isfinite(update) & (update.abs() <= multiple * ref)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, che
 from agoractl.cli.launch import app
 from agoractl.cli.output import emit, note, stderr, stdout
 from agoractl.errors import UsageError
+from agoractl.training.fault_drill import FAULTS
 
 PeersOpt = Annotated[Optional[list[str]], typer.Option(
     "--initial-peers", help="Multiaddr of a DHT peer to join (repeatable); default network.initial_peers.",
@@ -67,6 +68,10 @@ def worker(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (master weights and AdamW moments stay on the "
                                              "CPU).")] = "cpu",
     stats: StatsOpt = None,
+    fault: Annotated[Optional[str], typer.Option(
+        hidden=True, help="Fault drill: nan-outputs, huge-outputs, nan-grads, nan-parts or huge-parts "
+                          "(this worker's values are made wrong on purpose; for tests of the swarm's defences).",
+        show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """One worker: a replica of one stage, serving forward and backward requests (report §3.3.1) until the
@@ -75,6 +80,8 @@ def worker(
     # Checked before importing the runtime (hivemind and torch take seconds to import).
     check_stage(run, stage, allow_auto=True)
     check_device(device)
+    if fault is not None and fault not in FAULTS:
+        raise UsageError(f"--fault {fault}: choose one of {', '.join(FAULTS)}")
     from agoractl.runtime import node
 
     node.require_peers(initial_peers or run.network.initial_peers, "worker")
@@ -82,7 +89,7 @@ def worker(
 
     _threads(run)
     result = WorkerNode(run, stage, initial_peers or run.network.initial_peers, role=role.value, device=device,
-                        stats_path=stats).serve()
+                        stats_path=stats, fault=fault).serve()
     emit({k: result[k] for k in ("stage", "peer", "step", "forward_samples", "backward_samples", "max_coalesced")},
          as_json, lambda r: stdout.print(f"worker of {r['stage']}: step {r['step']}, {r['backward_samples']} "
                                          f"samples, coalesced up to {r['max_coalesced']}"))
@@ -203,6 +210,10 @@ def _render_swarm(r: dict) -> None:
                       str(s["retries"]), str(s["bans"]), str(s["backward_fallbacks"]),
                       *(_cell(s.get(key)) for _, key in health))
     stdout.print(table)
+    for peer, f in (r.get("faults") or {}).items():  # workers whose replies trainers rejected (and banned)
+        counts = ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("stage", "trainers"))
+        stdout.print(f"faulty worker {peer[-8:]} of {f.get('stage')}: rejected by {f.get('trainers')} trainer(s) "
+                     f"({counts})")
     stdout.print(f"report: {r['report_path']}")
 
 

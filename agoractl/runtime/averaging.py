@@ -33,6 +33,7 @@ method (``data_parallel.sparta`` or ``data_parallel.fgdiloco``: timeouts, chunk 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import threading
@@ -47,6 +48,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -55,13 +57,14 @@ from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from agoractl import logs
 from agoractl.algorithms.termination import EXIT_PREEMPTED
+from agoractl.algorithms.validation import part_problem, rms, update_mask
 from agoractl.manifest.schema import Run
 from agoractl.runtime.faults import FAULT_POINTS
 from agoractl.training.data_parallel import RoundRecord
 
 _STATS = ("round", "finished", "group_size", "reducers", "senders", "weight", "group_weight",
           "reduce_expected", "reduce_received", "size", "averaged", "bytes_sent", "bytes_received",
-          "matchmaking_s", "duration_s")
+          "matchmaking_s", "duration_s", "dropped_parts")
 _S = {name: i for i, name in enumerate(_STATS)}
 
 
@@ -125,10 +128,25 @@ class _CountingStub:
 class StageAllReduce(AllReduceRunner):
     """hivemind's butterfly all-reduce, instrumented: bytes in and out, reduce success, fault injection."""
 
-    def __init__(self, *, wire: CompressionBase, fault: Optional[str], on_fault: Callable[[str], None], **kwargs):
+    def __init__(self, *, wire: CompressionBase, fault: Optional[str], on_fault: Callable[[str], None],
+                 part_multiple: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
         self.wire, self.fault, self.on_fault = wire, fault, on_fault
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = self.dropped_parts = 0
+        if part_multiple is not None:  # a groupmate's invalid part is dropped like a missing one
+            own = rms(self.tensor_part_container.local_tensors[0])
+            accumulate = self.tensor_part_reducer.accumulate_part
+
+            async def checked(sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0):
+                problem = part_problem(tensor_part, own, part_multiple)
+                if problem is not None:
+                    self.dropped_parts += 1
+                    self.tensor_part_reducer.on_sender_failed(sender_index)
+                    logs.get("averaging").warning("averaging part dropped", sender=sender_index, problem=problem)
+                    raise BannedException(problem)
+                return await accumulate(sender_index, part_index, tensor_part, weight)
+
+            self.tensor_part_reducer.accumulate_part = checked
         self._serving = 0
         self._served = asyncio.Event()
         self._served.set()
@@ -205,7 +223,8 @@ class StageAverager(DecentralizedAverager):
 
     def __init__(self, dht, *, prefix: str, capacity: int, client_mode: bool, matchmaking_timeout_s: float,
                  allreduce_timeout_s: float, chunk_timeout_s: float, chunk_bytes: int = 2**19,
-                 wire_dtype: str = "fp32", start: bool = True, startup_timeout_s: float = 120.0):
+                 wire_dtype: str = "fp32", start: bool = True, startup_timeout_s: float = 120.0,
+                 part_multiple: Optional[float] = None):
         if capacity < 1:
             raise ValueError(f"capacity must be positive; got {capacity}")
         self.capacity = capacity
@@ -213,6 +232,8 @@ class StageAverager(DecentralizedAverager):
         self.allreduce_timeout_s = float(allreduce_timeout_s)
         self.wire = wire_compression(wire_dtype)
         self.chunk_timeout_s = float(chunk_timeout_s)
+        self.part_multiple = part_multiple
+        """Bound on received parts and updates (validation.part_multiple); None checks finiteness only."""
         self._averaged = torch.zeros(capacity, dtype=torch.bool).share_memory_()
         self._stats = torch.zeros(len(_STATS), dtype=torch.float64).share_memory_()
         self._stats[_S["round"]] = -1
@@ -360,11 +381,12 @@ class StageAverager(DecentralizedAverager):
             runner = StageAllReduce(
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                 ordered_peer_ids=group_info.peer_ids, wire=self.wire, fault=plan.get("fault"),
-                on_fault=self._fault, **kwargs)
+                on_fault=self._fault, part_multiple=self.part_multiple, **kwargs)
             assert group_id in self._running_groups, f"group {group_id} was not registered"
             self._running_groups[group_id].set_result(runner)
             async for tensor, update in azip(as_aiter(*tensors), runner):
-                came_back = torch.isfinite(update)
+                came_back = (torch.isfinite(update) if self.part_multiple is None
+                             else update_mask(update, tensor, self.part_multiple))
                 tensor.add_(torch.where(came_back, update, torch.zeros_like(update)).to(tensor.dtype))
                 self._averaged.copy_(came_back.reshape(-1))
             await runner.wait_served(2 * self.chunk_timeout_s)
@@ -383,6 +405,7 @@ class StageAverager(DecentralizedAverager):
             if runner is not None:
                 stats[_S["reduce_expected"]], stats[_S["reduce_received"]] = runner.reduce_counts()
                 stats[_S["bytes_sent"]], stats[_S["bytes_received"]] = runner.bytes_sent, runner.bytes_received
+                stats[_S["dropped_parts"]] = runner.dropped_parts
             t0 = plan.get("t0", t_group)
             stats[_S["matchmaking_s"]] = t_group - t0
             stats[_S["duration_s"]] = time.monotonic() - t0
@@ -400,12 +423,15 @@ def stage_averager(run: Run, stage: str, role: str, dht, capacity: int) -> Stage
     method = run.data_parallel.method
     if method not in ("sparta", "fgdiloco"):
         raise ValueError(f"data_parallel.method {method!r} averages nothing; expected sparta or fgdiloco")
-    cfg = getattr(run.data_parallel, method)
+    cfg, v = getattr(run.data_parallel, method), run.validation
+    # SPARTA averages parameters (alike across replicas: bounded); FGDiLoCo's deltas may differ widely (finite only).
+    bound = None if not v.enabled else v.part_multiple if method == "sparta" else math.inf
     return StageAverager(
         dht, prefix=averager_prefix(run.metadata.name, stage, method), capacity=capacity,
         client_mode=role == "contributor", matchmaking_timeout_s=cfg.matchmaking_timeout_s,
         allreduce_timeout_s=cfg.allreduce_timeout_s, chunk_timeout_s=cfg.chunk_timeout_s,
-        chunk_bytes=cfg.chunk_bytes, wire_dtype=cfg.wire_dtype, startup_timeout_s=run.network.startup_timeout_s)
+        chunk_bytes=cfg.chunk_bytes, wire_dtype=cfg.wire_dtype, startup_timeout_s=run.network.startup_timeout_s,
+        part_multiple=bound)
 
 
 class PendingRound:
@@ -440,6 +466,7 @@ class PendingRound:
             rec.group_size, rec.reducers = int(stats["group_size"]), int(stats["reducers"])
             rec.group_weight = stats["group_weight"]
             rec.bytes_sent, rec.bytes_received = int(stats["bytes_sent"]), int(stats["bytes_received"])
+            rec.dropped_parts = int(stats["dropped_parts"])
             rec.matchmaking_s = round(stats["matchmaking_s"], 3)
             rec.duration_s = round(stats["duration_s"], 3)
             if stats["reduce_expected"] > 0:

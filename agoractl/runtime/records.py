@@ -111,6 +111,9 @@ class TrainerRecord:
     """Tokens consumed per shard ({shard: tokens}), as the data stream counts them."""
     pid: int = 0
     done: bool = False
+    faults: dict = field(default_factory=dict)
+    """Rejected replies per worker ({peer: {"stage": s, reason: count}}), for the Health Monitor and the
+    Authorizer (a node with faults should not have its credential renewed)."""
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -365,7 +365,7 @@ def _worker_summary(w: dict) -> dict:
     keys = ("peer", "stage", "step", "samples", "backward_samples", "forward_samples", "max_coalesced",
             "role", "phase", "phases", "join", "sparta", "fgdiloco", "termination",
             "coalesced_sum", "batches", "compute_s", "idle_s", "throughput", "first_request", "started", "cpu_s", "cpu_at_ready_s", "cpu_at_first_request_s",
-            "killed")
+            "refused", "killed")
     return {k: w[k] for k in keys if k in w}
 
 

@@ -17,6 +17,12 @@ set, never a d-wide tensor; token ids travel as int32. Discovery reads each stag
 every ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes
 loss, samples and tokens consumed per shard in the DHT, and stops once every stage has taken
 ``training.max_steps`` steps (seen in the workers' replies and records) or its data runs out.
+
+Every reply is checked before it is used (:class:`~agoractl.algorithms.validation.ReplyChecks`, with
+``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**,
+the worker that produced it is banned for ``validation.fault_ban_s`` (doubling on repeats), told so
+(a ``notice``), counted in ``faults`` per worker, and the request goes to another replica — the
+bad value never reaches the next stage.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from agoractl.runtime import node
 from agoractl.algorithms.balancer import Balancer
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.transport import StageClient
+from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
 
 PUBLISH_S = 2.0
 """Seconds between the trainer's DHT records (the swarm's live progress)."""
@@ -52,6 +59,8 @@ class StageCounters:
     """Backward passes served by a replica other than the one that ran the forward."""
     failures: int = 0
     """Failed calls (errors and timeouts)."""
+    rejected: int = 0
+    """Replies rejected as invalid (non-finite, malformed or absurd values); their workers are banned longer."""
 
 
 @dataclass
@@ -84,6 +93,9 @@ class Trainer:
         self.peer = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, run.metadata.name)
         self.balancers = {s: Balancer(self.t.ban_s) for s in self.stages}
+        self.checks = ReplyChecks(run) if run.validation.enabled else None
+        self.faults = FaultBook(run.validation.fault_ban_s)
+        self._notices: set[asyncio.Task] = set()
         self.counters = {s: StageCounters() for s in self.stages}
         self.stats = TrainerStats()
         self.seen_step = {s: 0 for s in self.stages}
@@ -140,14 +152,33 @@ class Trainer:
 
     def _fail(self, stage: str, peer: str, method: str, error: BaseException) -> None:
         self.counters[stage].failures += 1
+        if isinstance(error, Invalid):  # the worker produced a bad value: a fault of its own, not bad luck
+            self.counters[stage].rejected += 1
+            ban_s = self.faults.record(peer, stage, error.reason)
+            self.balancers[stage].ban(peer, time.monotonic(), ban_s)
+            self.log.warning("reply rejected; worker banned", stage=stage, method=method, worker=peer[-8:],
+                             reason=error.reason, problem=str(error)[:200], ban_s=ban_s)
+            notice = asyncio.ensure_future(self._notice(stage, peer, f"{method}: {error}"))
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
+            return
         self.balancers[stage].ban(peer, time.monotonic())
         self.log.warning("call failed; worker banned", stage=stage, method=method, worker=peer[-8:],
                          error=f"{type(error).__name__}: {str(error)[:200]}", ban_s=self.t.ban_s)
+
+    async def _notice(self, stage: str, peer: str, reason: str) -> None:
+        """Tell `peer` its output was rejected (its rule refused_outputs counts these); best effort."""
+        try:
+            await self.client.call(peer, stage, "notice", {}, {"reason": reason[:200]}, timeout=5.0)
+        except Exception:
+            pass
 
     async def _call(self, stage: str, peer: str, method: str, tensors: dict) -> tuple[dict, dict]:
         t0 = time.monotonic()
         out, meta = await self.client.call(peer, stage, method, tensors, {"trainer": self.index},
                                            timeout=self.t.request_timeout_s)
+        if self.checks is not None:
+            self.checks.check(stage, method, tensors, out, meta)  # Invalid: the caller bans and re-routes
         self.balancers[stage].record_success(peer, float(tensors["ids"].shape[0]), time.monotonic() - t0)
         if "step" in meta:
             self.seen_step[stage] = max(self.seen_step[stage], int(meta["step"]))
@@ -272,7 +303,7 @@ class Trainer:
         return TrainerRecord(trainer=self.index, peer=self.peer, dispatched=self.stats.dispatched,
                              completed=self.stats.completed, lost=self.stats.lost, in_flight=self.in_flight,
                              loss=sum(recent) / len(recent) if recent else None, tail_step=tail_step,
-                             tokens=tokens, pid=os.getpid(), done=done)
+                             tokens=tokens, pid=os.getpid(), done=done, faults=self.faults.counts)
 
     async def _publish_loop(self) -> None:
         last_data_report = time.monotonic()
@@ -363,5 +394,6 @@ class Trainer:
                 "stages": {s: {**asdict(self.counters[s]), "bans": self.balancers[s].bans,
                                "workers_seen": sorted(self.seen_workers[s])}
                            for s in self.stages},
+                "faults": self.faults.counts,
                 "seen_step": dict(self.seen_step),
                 "tokens": {str(k): int(v) for k, v in getattr(self._stream, "tokens_consumed", lambda: {})().items()}}

@@ -2,7 +2,7 @@
 
 Moves named tensors and a small msgpack metadata dict, nothing more: the worker decides what a
 request means (:mod:`agoractl.training.worker`), the trainer what to send (:mod:`agoractl.runtime.trainer`).
-Three unary methods, registered under a ``<run>.<stage>`` namespace so a request can only reach the
+Four unary methods, registered under a ``<run>.<stage>`` namespace so a request can only reach the
 stage it was meant for:
 
 - ``forward``: ids (+ the previous stage's wire) → the stage's output wire
@@ -10,6 +10,8 @@ stage it was meant for:
   the worker recomputes the forward and accumulates parameter gradients
 - ``forward_backward``: the tail's fused call — forward, loss and backward in one request → the
   per-sample losses and the gradient of its input (no recompute, one round trip less)
+- ``notice``: a trainer tells a worker it rejected that worker's output (metadata ``reason``); no
+  tensors either way (:mod:`agoractl.algorithms.validation`, rule ``refused_outputs``)
 
 Tensors travel as hivemind ``runtime_pb2.Tensor`` (dtype kept: fp32, bf16 or fp16 wire tensors,
 int32 token ids); a handler's exception reaches the caller as an error, which the trainer treats as
@@ -26,7 +28,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
-METHODS = ("forward", "backward", "forward_backward")
+METHODS = ("forward", "backward", "forward_backward", "notice")
 
 Handler = Callable[[str, dict[str, torch.Tensor], dict, str], Awaitable[tuple[dict[str, torch.Tensor], dict]]]
 """handler(method, tensors, metadata, caller peer id) → (tensors, metadata)."""
@@ -73,6 +75,9 @@ class StageServicer(ServicerBase):
     async def rpc_forward_backward(self, request: runtime_pb2.ExpertRequest,
                                    context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self._serve("forward_backward", request, context)
+
+    async def rpc_notice(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._serve("notice", request, context)
 
 
 class StageClient:

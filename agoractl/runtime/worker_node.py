@@ -48,6 +48,7 @@ from agoractl.algorithms.termination import Termination
 from agoractl.training.data_parallel import DataParallelMethod, transport_capacity
 from agoractl.training.self_termination import Monitor
 from agoractl.runtime.transport import StageServicer, namespace
+from agoractl.training.fault_drill import FAULTS
 from agoractl.training.worker import Task, Worker
 
 FINISHED_IDLE_S = 10.0
@@ -71,9 +72,12 @@ class WorkerNode:
     """One worker process: DHT node, connection handler, compute loop."""
 
     def __init__(self, run: Run, stage: str, initial_peers: Sequence[str], role: str = "operator",
-                 device: str = "cpu", stats_path: Optional[str] = None, phase: str = "active"):
+                 device: str = "cpu", stats_path: Optional[str] = None, phase: str = "active",
+                 fault: Optional[str] = None):
         if role not in ("operator", "contributor"):
             raise UsageError(f"--role {role}: choose operator or contributor")
+        if fault is not None and fault not in FAULTS:
+            raise UsageError(f"--fault {fault}: choose one of {', '.join(FAULTS)}")
         if phase not in PHASES:
             raise UsageError(f"phase {phase}: choose one of {', '.join(PHASES)}")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -97,6 +101,9 @@ class WorkerNode:
         if joined_at:
             self.log.info("joining a running stage", stage=stage, step=joined_at)
         self.worker = Worker(run, index, device, step=joined_at, phase=phase, role=role)
+        self.worker.fault = fault
+        if fault:
+            self.log.warning("fault drill: this worker's outputs are wrong on purpose", fault=fault)
         self.termination: Optional[Termination] = None
         """The self-termination rule that fired (report §3.3.1.6), if one did."""
         self.monitor = Monitor(run.workers.self_termination, self._terminate)
@@ -141,6 +148,9 @@ class WorkerNode:
         def done(result, error):
             loop.call_soon_threadsafe(resolve, result, error)
 
+        if method == "notice":  # a trainer rejected one of our outputs (rule refused_outputs)
+            self.worker.emit("refused", trainer=caller, reason=str(meta.get("reason", ""))[:200], time=time.monotonic())
+            return {}, {}
         if "ids" not in tensors:
             raise ValueError("a stage request carries the sample's token ids ('ids')")
         self.worker.submit(Task(method, tensors["ids"], tensors.get("wire"), tensors.get("grad"), done))

@@ -50,6 +50,8 @@ class RoundRecord:
     duration_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    dropped_parts: int = 0
+    """Groupmates' parts this peer, as a reducer, dropped as invalid (non-finite or absurd)."""
     snapshot_sum: Optional[float] = None
     """Sum of the values this peer sent (its snapshot of the segment)."""
     average_sum: Optional[float] = None

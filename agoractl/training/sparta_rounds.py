@@ -35,6 +35,7 @@ from agoractl import logs
 from agoractl.algorithms.sparta import SegmentTiling, apply_round, round_summary
 from agoractl.algorithms.sync_phases import SyncPhases
 from agoractl.manifest.schema import Run
+from agoractl.training.fault_drill import corrupt_part
 from agoractl.training.data_parallel import AveragingTransport, PendingAverage, RoundRecord, StageView
 
 
@@ -180,7 +181,8 @@ class SpartaRounds:
         fault = self._fault(round_index)
         snapshot = self.tiling.gather(self.master, segment)
         try:
-            pending = self.transport.begin_round(round_index, segment, snapshot, weight, self.peers.live, fault)
+            sent = corrupt_part(getattr(self.worker, "fault", None), snapshot)  # the snapshot unless a fault drill
+            pending = self.transport.begin_round(round_index, segment, sent, weight, self.peers.live, fault)
         except Exception as e:  # the transport is gone or stuck: this round fails
             self._record(RoundRecord(round_index, segment, "failed", weight=weight, error=f"{type(e).__name__}: {e}"),
                          step=step)

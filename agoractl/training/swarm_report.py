@@ -13,7 +13,10 @@ record the swarm saw of it in the DHT. Pure: dicts in, dict out.
 - ``loss``: [step, mean loss of the samples the tail counted toward that step], merged over trainers.
 - ``samples_lost``: samples trainers gave up on, plus the in-flight samples of trainers that died.
 - ``stages[]``: per stage ``workers_seen``, ``samples`` (backward passes served), ``max_coalesced``
-  and ``mean_coalesced``, ``retries``, ``bans`` and ``backward_fallbacks`` (summed over trainers).
+  and ``mean_coalesced``, ``retries``, ``bans``, ``rejected`` (replies rejected as invalid) and
+  ``backward_fallbacks`` (summed over trainers).
+- ``faults``: per worker whose replies were rejected, its stage, the count per reason (summed over
+  trainers) and how many trainers rejected it (:mod:`agoractl.algorithms.validation`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,19 @@ def stage_steps(workers: list[dict], stage: str) -> int:
     return max([0, *(int(w.get("step", 0)) for w in workers if w.get("stage") == stage)])
 
 
+def merge_faults(trainers: list[dict]) -> dict[str, dict]:
+    """{worker peer: {"stage", reason: count..., "trainers": how many trainers rejected it}}."""
+    out: dict[str, dict] = {}
+    for t in trainers:
+        for peer, counts in (t.get("faults") or {}).items():
+            entry = out.setdefault(peer, {"stage": counts.get("stage"), "trainers": 0})
+            entry["trainers"] += 1
+            for reason, n in counts.items():
+                if reason != "stage":
+                    entry[reason] = entry.get(reason, 0) + int(n)
+    return out
+
+
 def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], lost_trainers: list[dict],
               fallback_elapsed_s: float, **extra: Any) -> dict[str, Any]:
     """The run report of a swarm run.
@@ -104,6 +120,7 @@ def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], los
             "mean_coalesced": _mean_coalesced(mine),
             "retries": sum(int(c.get("retries", 0)) for c in counters),
             "bans": sum(int(c.get("bans", 0)) for c in counters),
+            "rejected": sum(int(c.get("rejected", 0)) for c in counters),
             "backward_fallbacks": sum(int(c.get("backward_fallbacks", 0)) for c in counters),
             **(_averaging(mine) if run.data_parallel.method == "sparta" else {}),
             **(_outer_rounds(mine) if run.data_parallel.method == "fgdiloco" else {}),
@@ -115,6 +132,6 @@ def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], los
         samples_dispatched=sum(int(t.get("dispatched", 0)) for t in trainers),
         samples_completed=sum(int(t.get("completed", 0)) for t in trainers),
         stages=per_stage, global_batch_size=batch, seq_len=seq_len, max_steps=run.training.max_steps,
-        completed=steps >= run.training.max_steps,
+        completed=steps >= run.training.max_steps, faults=merge_faults(trainers),
         **extra,
     )

@@ -38,6 +38,8 @@ from agoractl.model.codec import from_wire, to_wire
 from agoractl.model.build import build_stage
 from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
 from agoractl.algorithms.progress import StageProgress
+from agoractl.algorithms.validation import request_problem
+from agoractl.training.fault_drill import corrupt_results
 
 QUEUE_OF = {"forward": "forward", "backward": "backward", "forward_backward": "backward"}
 """Which queue each method lands on: everything that accumulates gradients is a backward."""
@@ -77,6 +79,8 @@ class WorkerStats:
     compute_s: float = 0.0
     idle_s: float = 0.0
     failed_batches: int = 0
+    refused: int = 0
+    """Requests refused before compute: non-finite or malformed inputs (validation.enabled)."""
     steps: list = field(default_factory=list)
     """[step, wall time, samples contributed, grad norm before clipping] per optimizer step taken."""
     first_request: Optional[float] = None
@@ -104,6 +108,9 @@ class Worker:
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role
+        self.validate = run.validation.enabled
+        self.fault: Optional[str] = None
+        """A fault drill (:mod:`agoractl.training.fault_drill`): this worker's outputs are made wrong on purpose."""
         self.stats = WorkerStats()
         self.throughput = 0.0
         """Samples per second of compute (exponential moving average)."""
@@ -134,6 +141,13 @@ class Worker:
         if task.method == "forward_backward" and self.role_in_pipeline != "tail":
             task.done(None, ValueError(f"forward_backward is the tail's call; stage {self.name} is the "
                                        f"{self.role_in_pipeline}"))
+            return
+        problem = self.validate and request_problem(task.method, task.ids, task.wire, task.grad,
+                                                    self.run.model.vocab_size, self.role_in_pipeline != "head")
+        if problem:  # never computed: bad inputs must not reach this stage's gradients
+            self.stats.refused += 1
+            self.emit("request_refused", method=task.method, problem=problem)
+            task.done(None, ValueError(f"refused: {problem}"))
             return
         with self._cond:
             if self._closed is not None:
@@ -214,6 +228,8 @@ class Worker:
         try:
             with torch.enable_grad() if method != "forward" else torch.no_grad():
                 results = getattr(self, f"_{method}")(batch, sizes)
+                if self.fault is not None:
+                    corrupt_results(self.fault, method, results, self.params)
         except Exception as e:  # a bad request or a compute failure: every request of the batch fails
             self.stats.failed_batches += 1
             self.emit("compute_failed", method=method, error=f"{type(e).__name__}: {e}", samples=n)

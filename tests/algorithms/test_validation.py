@@ -90,6 +90,8 @@ def test_averaging_parts_and_updates():
     assert "non-finite" in part_problem(torch.full_like(local, NAN), 0.02, 10)
     assert "RMS" in part_problem(local * 1e6, float(local.pow(2).mean().sqrt()), 10)
     assert part_problem(local * 1e6, None, 10) is None  # only finiteness without a reference
+    assert part_problem(local, 0.0, 10) is None  # all-zero values of ours bound nothing (a fresh delta)
+    assert update_mask(torch.ones(4), torch.zeros(4), 10).all()
     update = torch.randn(1000) * 0.001
     update[:10] = NAN
     update[10:20] = 1e4

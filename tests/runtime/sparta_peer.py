@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=20.0)  # the longest wait: a group forms once all joined
     p.add_argument("--chunk-bytes", type=int, default=1024)
     p.add_argument("--wire", default="fp32")
+    p.add_argument("--part-multiple", type=float, default=None)  # validation.part_multiple (None: finiteness only)
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -37,7 +38,7 @@ def main() -> None:
     averager = StageAverager(dht, prefix="test_stage_sparta", capacity=args.size + 7,
                              client_mode=args.role == "contributor", matchmaking_timeout_s=args.window,
                              allreduce_timeout_s=60, chunk_timeout_s=5, chunk_bytes=args.chunk_bytes,
-                             wire_dtype=args.wire)
+                             wire_dtype=args.wire, part_multiple=args.part_multiple)
     # Ready once every expected peer is visible in the DHT: the first round then finds its group.
     dht.store("test_peers", subkey=str(dht.peer_id), value=True, expiration_time=get_dht_time() + 600)
     while len((dht.get("test_peers", latest=True) or ValueWithExpiration({}, 0)).value) < args.expected:

@@ -4,7 +4,8 @@ Each peer is a subprocess (tests/runtime/sparta_peer.py) with its own DHT node a
 the test process hosts the seed DHT. Covers: the weighted average, contributors (client mode, no
 reduction), weight-0 peers absorbing without moving the others, a group of weight-0 peers, a
 contributor preempted during send, a reducer preempted during reduce, bytes per round against
-the payload. Takes about a minute on a loaded 2-core machine.
+the payload, a peer sending NaN or huge values (dropped by the reducers, its slice left partial: no
+honest peer's values become non-finite or jump). Takes about a minute and a half on a loaded 2-core machine.
 """
 
 import json
@@ -43,12 +44,12 @@ def alive(pid):
 
 
 class Swarm:
-    def __init__(self, maddrs, roles):
+    def __init__(self, maddrs, roles, extra=()):
         self.procs = []
         self.children = []  # per peer: the processes it started (DHT node, p2p daemon, averager)
         for role in roles:
             cmd = [sys.executable, "-m", "tests.runtime.sparta_peer", "--role", role, "--size", str(SIZE),
-                   "--expected", str(len(roles))]
+                   "--expected", str(len(roles)), *extra]
             for m in maddrs:
                 cmd += ["--initial-peer", m]
             self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -102,7 +103,8 @@ def seed():
 
 @pytest.fixture
 def swarm(seed, request):
-    s = Swarm(seed, request.param)
+    roles, extra = (request.param, ()) if isinstance(request.param, list) else request.param
+    s = Swarm(seed, roles, extra)
     try:
         yield s
     finally:
@@ -169,3 +171,18 @@ def test_reducer_preempted_during_reduce_leaves_one_partial_round(swarm):
     recs = swarm.round(["1 0 3", "1 1 3", None, "1 5 3"])
     assert all(r["status"] == "complete" and r["averaging_success"] == 1.0 for r in recs)
     assert all(r["first"] == pytest.approx(2.0) for r in recs)
+
+
+@pytest.mark.parametrize("swarm", [(["operator", "operator", "operator"], ("--part-multiple", "10"))], indirect=True)
+def test_a_peer_sending_nan_or_huge_parts_cannot_move_honest_replicas(swarm):
+    for bad in ("nan", "1e7"):
+        recs = swarm.round(["1 1 3", "1 2 3", f"1 {bad} 3"])
+        honest = recs[:2]
+        for r in honest:  # the bad peer's slice (if hivemind gave it one) comes back unusable: partial there
+            assert r["status"] in ("partial", "complete") and r["averaging_success"] > 0, r
+            assert 1.0 <= r["first"] <= 2.0 and 1.0 <= r["last"] <= 2.0, r  # finite, never a jump
+            if r["status"] == "complete":  # the bad part was dropped everywhere: the honest average
+                assert r["first"] == pytest.approx(1.5) and r["average_sum"] == pytest.approx(1.5 * SIZE), r
+        assert sum(r["dropped_parts"] for r in honest) >= 1  # the honest reducers dropped its parts
+    recs = swarm.round(["1 1 3", "1 2 3", "1 3 3"])  # healthy again: nothing is held against it
+    assert all(r["status"] == "complete" and r["first"] == pytest.approx(2.0) for r in recs), recs

@@ -1,8 +1,9 @@
 """Self-termination of real worker processes (report §3.3.1.6): ``launch worker`` subprocesses on a DHT the
 test process hosts, with the test acting as the trainer (real forward/backward RPCs over libp2p).
 
-- a worker fed NaN gradients (a backward whose output gradient is NaN) exits with the
-  ``nan_gradients`` code, its last log line naming the rule;
+- a worker sent a NaN output gradient refuses the request (it never reaches its gradients) and
+  serves on; a worker whose own backward turns NaN (the ``--fault nan-grads`` drill, a broken GPU)
+  exits with the ``nan_gradients`` code at its next step, its last log line naming the rule;
 - a worker whose averaging rounds cannot finish (an all-reduce timeout no round can meet) fails
   two of its last three rounds and exits with the ``allreduce_failures`` code, while its two
   healthy peers keep averaging with each other.
@@ -50,8 +51,8 @@ class Workers:
     def __init__(self, tmp, maddrs):
         self.tmp, self.maddrs, self.procs = tmp, maddrs, {}
 
-    def start(self, name, role, *values):
-        argv = [sys.executable, "-m", "agoractl", "launch", "worker", str(MANIFEST), "--stage", "head",
+    def start(self, name, role, *values, args=()):
+        argv = [sys.executable, "-m", "agoractl", "launch", "worker", str(MANIFEST), "--stage", "head", *args,
                 "--role", role, "--stats", str(self.tmp / f"{name}.json"),
                 *[a for m in self.maddrs for a in ("--initial-peers", m)],
                 *[a for v in [*TINY, *values] for a in ("--set", v)]]
@@ -126,13 +127,19 @@ def trainer(seed):
         dht.shutdown()
 
 
-def test_nan_gradients_terminate_the_worker_naming_the_rule(trainer, workers):
+def test_nan_inputs_are_refused_and_own_nan_gradients_terminate_the_worker(trainer, workers):
     dht = trainer
-    workers.start("n", "operator", "training.global_batch_size=1", "metadata.name=local-cpu")
+    workers.start("n", "operator", "training.global_batch_size=1", "metadata.name=local-cpu",
+                  args=("--fault", "nan-grads"))
     peer = head_peers(dht, 1)[workers.procs["n"].pid]
 
     async def feed():
-        await sample(await client_of(dht), peer, grad_fill=float("nan"))
+        client = await client_of(dht)
+        with pytest.raises(Exception, match="refused: grad holds .* non-finite"):
+            await sample(client, peer, grad_fill=float("nan"))  # not its fault: refused, never computed
+        await asyncio.sleep(1)
+        assert workers.procs["n"].poll() is None
+        await sample(client, peer)  # valid inputs, but its own backward is NaN: its own rule fires
 
     asyncio.run(feed())
     assert workers.procs["n"].wait(120) == EXIT_CODES["nan_gradients"]

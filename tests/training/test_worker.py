@@ -94,8 +94,10 @@ def test_bad_requests_fail_without_killing_the_worker():
     run = small_run()
     body = Worker(run, 1)
     box = submit(body, "forward", samples(1), torch.randn(1, 7, run.model.ssn.rank))
-    body.run_once(0.01)
-    assert isinstance(box.error, ValueError) and body.stats.failed_batches == 1
+    assert isinstance(box.error, ValueError) and "refused: wire has shape (1, 7, 16)" in str(box.error)
+    nan = submit(body, "forward", samples(1), torch.full((1, 16, run.model.ssn.rank), float("nan")))
+    assert "refused: wire holds 256 non-finite value(s)" in str(nan.error)  # never reaches the compute
+    assert body.stats.refused == 2 and body.stats.failed_batches == 0 and not body.queued()
     assert isinstance(submit(body, "forward_backward", samples(1)).error, ValueError)  # not the tail
     ok = call(body, "forward", samples(1), torch.randn(1, 16, run.model.ssn.rank))
     assert ok["wire"].shape == (1, 16, run.model.ssn.rank)
