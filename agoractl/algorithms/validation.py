@@ -56,7 +56,8 @@ def rms_per_sample(t: torch.Tensor) -> list[float]:
     """Root mean square of each sample (first dimension) of `t`, computed in fp32 (one fused reduction)."""
     flat = t.detach().reshape(t.shape[0], -1) if t.dim() else t.detach().reshape(1, 1)
     scale = 1.0 / math.sqrt(max(1, flat.shape[1]))
-    return [v * scale for v in torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32).tolist()]
+    flat = flat if flat.dtype == torch.float32 else flat.float()
+    return [v * scale for v in torch.linalg.vector_norm(flat, dim=1).tolist()]
 
 
 def _non_finite(name: str, t: torch.Tensor) -> Invalid:

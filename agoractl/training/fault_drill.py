@@ -1,7 +1,8 @@
 """Fault drills: make a real worker faulty on purpose (``agoractl launch worker --fault KIND``, hidden),
 so tests and operators can see the swarm survive a broken GPU, a bad driver or a hostile node
 (report §3.3.1.6, §3.6.2). The worker stays an ordinary agoractl worker otherwise: it announces,
-serves, steps and averages; only the values it produces are wrong.
+serves, steps and averages; only the values it produces are wrong, from its :data:`ONSET` th computed
+batch on (a device that goes bad mid-run: trainers have seen normal values from it first).
 
 ==================== =====================================================================
 kind                 what the worker does
@@ -25,10 +26,16 @@ if TYPE_CHECKING:  # tensor methods only: the CLI checks --fault before torch is
 
 FAULTS = ("nan-outputs", "huge-outputs", "nan-grads", "nan-parts", "huge-parts")
 HUGE = 1e6
+ONSET = 4
+"""Batches a drilled worker computes correctly before its values go wrong."""
 
 
-def corrupt_results(fault: Optional[str], method: str, results: list[dict], params: Iterable["torch.Tensor"]) -> None:
-    """Apply `fault` to one computed batch, in place: its replies `results` and the stage's `params` grads."""
+def corrupt_results(fault: Optional[str], method: str, results: list[dict], params: Iterable["torch.Tensor"],
+                    computed: int = ONSET) -> None:
+    """Apply `fault` to one computed batch, in place: its replies `results` and the stage's `params` grads;
+    `computed`: batches the worker computed before this one (nothing happens before :data:`ONSET`)."""
+    if computed < ONSET:
+        return
     if fault in ("nan-outputs", "huge-outputs") and method == "forward":
         for r in results:
             r["wire"] = r["wire"] * HUGE if fault == "huge-outputs" else r["wire"].new_full(r["wire"].shape, float("nan"))

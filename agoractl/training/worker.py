@@ -229,7 +229,7 @@ class Worker:
             with torch.enable_grad() if method != "forward" else torch.no_grad():
                 results = getattr(self, f"_{method}")(batch, sizes)
                 if self.fault is not None:
-                    corrupt_results(self.fault, method, results, self.params)
+                    corrupt_results(self.fault, method, results, self.params, sum(self.stats.batches.values()))
         except Exception as e:  # a bad request or a compute failure: every request of the batch fails
             self.stats.failed_batches += 1
             self.emit("compute_failed", method=method, error=f"{type(e).__name__}: {e}", samples=n)

@@ -14,7 +14,7 @@ from agoractl.algorithms.termination import EXIT_CODES, SelfTermination
 from agoractl.algorithms.validation import (FaultBook, Invalid, NormTracker, ReplyChecks, check_losses, check_tensor,
                                             loss_bound, part_problem, request_problem, update_mask)
 from agoractl.manifest.schema import Run, SelfTermination as SelfTerminationConfig
-from agoractl.training.fault_drill import corrupt_part, corrupt_results
+from agoractl.training.fault_drill import ONSET, corrupt_part, corrupt_results
 
 NAN, INF = float("nan"), float("inf")
 
@@ -145,8 +145,10 @@ def test_refused_outputs_needs_notices_from_several_trainers_within_the_window()
     assert late.observe({"event": "refused", "trainer": "B", "time": 50.0}) is None  # the first one expired
 
 
-def test_fault_drills_corrupt_what_they_name():
+def test_fault_drills_corrupt_what_they_name_after_their_onset():
     results = [{"wire": torch.ones(1, 4)}]
+    corrupt_results("nan-outputs", "forward", results, [], computed=ONSET - 1)
+    assert results[0]["wire"].eq(1).all()  # a device that goes bad mid-run: fine at first
     corrupt_results("nan-outputs", "forward", results, [])
     assert results[0]["wire"].isnan().all()
     results = [{"wire": torch.ones(1, 4)}]

@@ -1,0 +1,154 @@
+"""What the checks on received values cost (issue 25: at most 2% of the swarm's tokens/s).
+
+An in-process pipeline of one :class:`~agoractl.training.worker.Worker` per stage (the manifest's
+model, no network) walks samples the way a trainer does — forward head → body → tail, the tail's
+fused forward_backward, the backward back to the head, one sample per request (the report's
+default, the most checks per token) — in paired blocks, with and without the checks:
+
+- every request a worker receives (:func:`~agoractl.algorithms.validation.request_problem`);
+- every reply a trainer receives (:class:`~agoractl.algorithms.validation.ReplyChecks`: shape, dtype,
+  finiteness, magnitude bound, losses).
+
+Reported per pair: CPU seconds per sample with and without (process time, one torch thread: what
+other processes on a shared machine do is not counted); the ratio (with / without); and the
+checks' own CPU time over the compute's (timed around each check). Medians over pairs. Without the network the compute is all there is, so the fraction
+is an upper bound of the throughput a real swarm loses. Nothing is written but the JSON.
+
+    python benchmarks/validation_cost.py                     # a table
+    python benchmarks/validation_cost.py --json --pairs 5    # JSON on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from agoractl.algorithms.validation import ReplyChecks, request_problem
+from agoractl.manifest.loader import load_manifest
+from agoractl.training.worker import Task, Worker
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = 0.02
+"""The issue's bound: checks cost at most 2% of tokens/s."""
+
+
+def call(w: Worker, method: str, ids, wire=None, grad=None) -> tuple[dict, dict]:
+    box: dict = {}
+    w.submit(Task(method, ids, wire, grad, lambda r, e: box.update(r=r, e=e)))
+    while not box:
+        w.run_once(0.001)
+    if box["e"] is not None:
+        raise box["e"]
+    r = box["r"]
+    return {k: v for k, v in r.items() if isinstance(v, torch.Tensor)}, {k: v for k, v in r.items()
+                                                                          if not isinstance(v, torch.Tensor)}
+
+
+def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int) -> float:
+    """One sample through the pipeline; returns the seconds spent in checks (0 without them)."""
+    spent = 0.0
+
+    def check(w: Worker, method: str, sent: dict, out: dict, meta: dict) -> None:
+        nonlocal spent
+        if checks is None:
+            return
+        t0 = time.process_time()
+        checks.check(w.name, method, sent, out, meta)
+        spent += time.process_time() - t0
+
+    def received(w: Worker, method: str, wire, grad) -> None:
+        nonlocal spent
+        if checks is None:
+            return
+        t0 = time.process_time()
+        assert request_problem(method, ids, wire, grad, vocab, w.role_in_pipeline != "head") is None
+        spent += time.process_time() - t0
+
+    wire, inputs = None, []
+    for w in workers[:-1]:
+        received(w, "forward", wire, None)
+        sent = {"ids": ids, **({"wire": wire} if wire is not None else {})}
+        out, meta = call(w, "forward", ids, wire)
+        check(w, "forward", sent, out, meta)
+        inputs.append(wire)
+        wire = out["wire"]
+    tail = workers[-1]
+    received(tail, "forward_backward", wire, None)
+    out, meta = call(tail, "forward_backward", ids, wire)
+    check(tail, "forward_backward", {"ids": ids, "wire": wire}, out, meta)
+    grad = out["grad"]
+    for w, inp in reversed(list(zip(workers[:-1], inputs))):
+        received(w, "backward", inp, grad)
+        sent = {"ids": ids, "grad": grad, **({"wire": inp} if inp is not None else {})}
+        out, meta = call(w, "backward", ids, inp, grad)
+        check(w, "backward", sent, out, meta)
+        grad = out.get("grad")
+    return spent
+
+
+def measure(manifest: Path, overrides: list[str], pairs: int, samples: int) -> dict:
+    run = load_manifest(manifest, overrides)
+    torch.manual_seed(0)
+    workers = [Worker(run, i) for i in range(len(run.stages))]
+    for w in workers:
+        w.validate = False  # the benchmark times the worker's checks itself, around each call
+    checks = ReplyChecks(run)
+    vocab, seq = run.model.vocab_size, run.model.seq_len
+    data = torch.randint(0, min(vocab, 256), (samples, 1, seq + 1), dtype=torch.int32)
+    for s in data[:4]:  # warm-up (and the magnitude bound's history)
+        walk(workers, checks, s, vocab)
+    rows = []
+    for _ in range(pairs):
+        t0 = time.process_time()
+        for s in data:
+            walk(workers, None, s, vocab)
+        without = (time.process_time() - t0) / samples
+        t0, spent = time.process_time(), 0.0
+        for s in data:
+            spent += walk(workers, checks, s, vocab)
+        with_checks = (time.process_time() - t0) / samples
+        rows.append({"s_per_sample_without": without, "s_per_sample_with": with_checks,
+                     "ratio": with_checks / without, "checks_s_per_sample": spent / samples,
+                     "checks_fraction": (spent / samples) / max(with_checks - spent / samples, 1e-12)})
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return {"manifest": str(manifest), "overrides": overrides, "pairs": pairs, "samples_per_block": samples,
+            "stages": len(run.stages), "seq_len": seq, "wire_width": run.model.ssn.rank or run.model.d_model,
+            "median": med, "target_fraction": TARGET, "within_target": med["checks_fraction"] <= TARGET,
+            "rows": rows, "threads": torch.get_num_threads()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--manifest", type=Path, default=ROOT / "manifests" / "local-cpu.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted.path=value (repeatable)")
+    p.add_argument("--pairs", type=int, default=5, help="paired blocks (with / without checks)")
+    p.add_argument("--samples", type=int, default=16, help="samples per block")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    a = p.parse_args(argv)
+    if a.pairs < 1 or a.samples < 1:
+        print("error: --pairs and --samples must be at least 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(a.threads)
+    r = measure(a.manifest, a.overrides, a.pairs, a.samples)
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        m = r["median"]
+        print(f"{r['manifest']}: {r['stages']} stages, seq_len {r['seq_len']}, wire width {r['wire_width']}, "
+              f"{r['pairs']} pairs x {r['samples_per_block']} samples (medians)")
+        print(f"  without checks {m['s_per_sample_without'] * 1e3:.2f} ms/sample, with {m['s_per_sample_with'] * 1e3:.2f}"
+              f" ms/sample, ratio {m['ratio']:.4f}")
+        print(f"  checks {m['checks_s_per_sample'] * 1e6:.0f} us/sample = {m['checks_fraction']:.2%} of the compute "
+              f"(target <= {TARGET:.0%}: {'met' if r['within_target'] else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
