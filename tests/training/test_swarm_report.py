@@ -29,9 +29,12 @@ def test_report_aggregates_nodes_and_counts_killed_ones(run):
     trainers = [
         {"trainer": 0, "first_dispatch": 99.5, "dispatched": 8, "completed": 8, "lost": 0,
          "loss": {"0": [10.0, 2], "1": [8.0, 2], "2": [6.0, 2], "3": [5.0, 2]},
-         "stages": {"body-1": {"retries": 2, "backward_fallbacks": 1, "bans": 1, "workers_seen": ["b0", "b1"]}}},
+         "stages": {"body-1": {"retries": 2, "backward_fallbacks": 1, "bans": 1, "rejected": 1,
+                               "workers_seen": ["b0", "b1"]}},
+         "faults": {"bx": {"stage": "body-1", "non_finite": 1}}},
         {"trainer": 1, "first_dispatch": 99.0, "dispatched": 5, "completed": 4, "lost": 1,
-         "loss": {"0": [12.0, 2], "1": [9.0, 2], "2": [7.0, 2]}, "stages": {}},
+         "loss": {"0": [12.0, 2], "1": [9.0, 2], "2": [7.0, 2]}, "stages": {},
+         "faults": {"bx": {"stage": "body-1", "non_finite": 2, "magnitude": 1}}},
     ]
     r = aggregate(run, workers, trainers, lost_trainers=[{"trainer": 2, "in_flight": 3}], fallback_elapsed_s=50.0)
     assert r["mode"] == "swarm" and r["steps"] == 3 and r["completed"]
@@ -41,7 +44,9 @@ def test_report_aggregates_nodes_and_counts_killed_ones(run):
     assert r["samples_lost"] == 1 + 3  # a trainer's give-ups plus a dead trainer's in-flight samples
     body = next(s for s in r["stages"] if s["name"] == "body-1")
     assert body == {"name": "body-1", "workers_seen": 2, "steps": 3, "samples": 12, "max_coalesced": 3,
-                    "mean_coalesced": 1.5, "retries": 2, "bans": 1, "backward_fallbacks": 1}
+                    "mean_coalesced": 1.5, "retries": 2, "bans": 1, "rejected": 1, "backward_fallbacks": 1}
+    # Faults per worker, summed over the trainers that rejected its replies.
+    assert r["faults"] == {"bx": {"stage": "body-1", "trainers": 2, "non_finite": 3, "magnitude": 1}}
 
 
 def test_a_run_cut_short_reports_the_slowest_stage(run):
