@@ -249,6 +249,10 @@ class Trainers(Section):
     """Re-dispatches of one request to other replicas before the sample is counted as lost."""
     request_timeout_s: float = Field(60.0, gt=0)
     """Seconds to wait for one forward or backward reply."""
+    stall_timeout_s: float = Field(300.0, ge=0)
+    """Seconds without a completed sample after which a trainer (`launch trainer`) says which stage it cannot
+    reach and exits with code 3; 0 = never. `launch swarm` turns it off in its trainers: it watches the
+    whole run itself (local.stall_timeout_s) and starts what died again."""
 
 
 class Admission(Section):

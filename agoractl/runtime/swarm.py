@@ -153,7 +153,10 @@ class Swarm:
     def start_trainer(self, index: int, name: Optional[str] = None) -> Node:
         name = name or f"trainer-{index}"
         stats = self.dir / "nodes" / f"{name}.json"
+        # The launcher watches the whole run for stalls (local.stall_timeout_s) and restarts what died:
+        # a trainer of its own giving up on a stage meanwhile would only cost a restart.
         n = self._spawn(name, "trainer", self._argv("trainer", "--index", str(index), "--stats", str(stats),
+                                                    "--set", "trainers.stall_timeout_s=0",
                                                     "--min-workers", str(self.run.local.workers_per_stage),
                                                     *self._peer_args()))
         n.stats_path = stats
