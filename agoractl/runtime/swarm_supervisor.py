@@ -264,8 +264,13 @@ class Supervisor:
             slot.settled = True
             self._last_exit[where] = (f"{node.name} {how}; local.max_restarts={self.policy.max_restarts} "
                                       f"restarts spent")
+            alone = slot.kind == "worker" and not any(
+                o.kind == "worker" and o.stage == slot.stage and (o.current.poll() is None or o.due is not None)
+                for o in self.slots.values())
+            consequence = (f"; stage {slot.stage} has no live worker left: the run stalls, and ends "
+                           f"{self.stall.timeout_s:.0f} s after its last step (local.stall_timeout_s)") if alone else ""
             self.swarm.on_note(f"{node.name} {how}; not started again: its {self.policy.max_restarts} "
-                               f"restart(s) (local.max_restarts) are spent")
+                               f"restart(s) (local.max_restarts) are spent{consequence}")
             return
         entry["restarted"] = True
         slot.due = now + delay

@@ -2,9 +2,10 @@
 (DHT seed, one worker per stage, one trainer, each its own process), not mocked, marked ``swarm``.
 
 One swarm serves every check, in order: its only tail worker is SIGKILLed twice and each time a new one
-joins and serves (steps go on past the kill); then, while a head worker is being stopped, the launcher
-gets SIGINT: it exits 130 within ``STOP_BOUND_S`` and nothing of any node is left. The policy itself
-(budget, backoff, the stall that ends a run) is tested without processes in test_swarm_supervisor.py.
+joins and serves (steps go on past the kill); killed a third time, with ``local.max_restarts`` spent, the
+console says the run stalls; then, while a head worker is being stopped, the launcher gets SIGINT: it
+exits 130 within ``STOP_BOUND_S`` and nothing of any node is left. The policy itself (budget, backoff,
+the stall that ends a run with exit code 3) is tested without processes in test_swarm_supervisor.py.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def test_killed_tail_worker_is_replaced_twice_and_sigint_stops_everything_in_bou
         s = wait_status(status, p, lambda s: s["restarts"]["worker-tail-0"] == attempt
                         and current(s, "worker-tail-0")["pid"] != victim["pid"]
                         and s["stages"]["tail"]["step"] >= at + 2, timeout=150)
+    # Third time: the budget is spent, and the console says what that means for the run.
+    os.killpg(current(s, "worker-tail-0")["pid"], signal.SIGKILL)
+    wait_status(status, p, lambda s: "no live worker left: the run stalls" in err_tail(run_dir), timeout=60)
     head = current(s, "worker-head-0")
     os.killpg(head["pid"], signal.SIGTERM)  # the head worker is stopping ...
     t0 = time.monotonic()
@@ -68,7 +72,7 @@ def test_killed_tail_worker_is_replaced_twice_and_sigint_stops_everything_in_bou
     assert r["restarts"]["worker-tail-0"] == 2 and by_stage(r)["tail"]["restarts"] == 2
     assert by_stage(r)["head"]["restarts"] == 0
     kills = [e for e in r["node_exits"] if e["slot"] == "worker-tail-0"]
-    assert [(e["how"], e["restarted"]) for e in kills[:2]] == [("killed by SIGKILL", True)] * 2
+    assert [(e["how"], e["restarted"]) for e in kills] == [("killed by SIGKILL", True)] * 2 + [("killed by SIGKILL", False)]
     assert r["exit_codes"]["worker-tail-0"] == r["exit_codes"]["worker-tail-0.r1"] == -signal.SIGKILL
     err = (run_dir.parent / f"{run_dir.name}-swarm.err").read_text()
     assert "worker-tail-0 killed by SIGKILL; starting it again" in err

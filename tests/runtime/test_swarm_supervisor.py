@@ -138,6 +138,7 @@ def test_a_killed_worker_is_started_again_until_the_budget_is_spent_then_the_sta
     sup.slots["worker-tail-0"].current.exit_code = -signal.SIGKILL
     sup.tick()
     assert "not started again" in swarm.notes[-1]
+    assert "stage tail has no live worker left: the run stalls, and ends 30 s after its last step" in swarm.notes[-1]
     clock.t += 29.0
     sup.tick()  # not yet: the stall timeout counts from the last step
     clock.t += 2.0
@@ -182,3 +183,37 @@ def test_a_stall_waits_for_a_pending_restart(swarm):
     sup.tick()  # stalled, but the restart is due at 60 s: say so, do not end
     assert swarm.notes[-1].startswith("stalled: no optimizer step for 45 s: stage head has no live worker")
     assert "waiting for the restart of worker-head-0" in swarm.notes[-1]
+
+
+STOPPER = """
+import os, signal, sys, time
+from agoractl.runtime.swarm_supervisor import StopSignals
+
+s = StopSignals(lambda: print("killed everything", flush=True), bound_s=1.0).install()
+print("ready", flush=True)
+try:
+    while True:
+        time.sleep(0.05)
+except KeyboardInterrupt:
+    s.stopping = True
+    print("stopping", flush=True)
+    os.kill(os.getpid(), signal.SIGINT)  # a second signal while stopping: only noted
+    time.sleep(60)  # a stop that hangs: the bound ends it
+"""
+
+
+def test_a_signal_stops_once_and_the_bound_ends_a_hanging_stop(tmp_path):
+    """In a child process: SIGTERM raises once, a second signal is only noted, and a stop that hangs is
+    ended by the bound with every node killed and exit code 143 (the first signal's)."""
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", STOPPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 143 and time.monotonic() - t0 < 10
+    assert out.split() == ["stopping", "killed", "everything"]
+    assert "SIGINT again: already stopping" in err and "did not stop within 1 s of SIGTERM" in err
