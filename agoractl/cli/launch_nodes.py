@@ -200,7 +200,7 @@ def _render_swarm(r: dict) -> None:
                       str(s["retries"]), str(s["bans"]), str(s["backward_fallbacks"]),
                       *(_cell(s.get(key)) for _, key in health))
     stdout.print(table)
-    if not r["completed"]:
+    if not r.get("completed", True):
         stdout.print(f"ended before training.max_steps: {r.get('end_reason', 'unknown')}")
     stdout.print(f"report: {r['report_path']}")
 

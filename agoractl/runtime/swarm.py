@@ -298,8 +298,8 @@ class Swarm:
         self.prepare()
         t_begin = time.time()
         interrupted, failure = False, None
-        self.signals.install()
         try:
+            self.signals.install()  # inside the try: a signal right after it still stops what started
             self.maddrs = self.start_seed(startup * 2)
             self.dht = node.start_dht(self.run, self.maddrs, client_mode=True)
             self.records = RunRecords(self.dht, self.run.metadata.name)

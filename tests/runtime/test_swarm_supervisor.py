@@ -190,8 +190,8 @@ import os, signal, sys, time
 from agoractl.runtime.swarm_supervisor import StopSignals
 
 s = StopSignals(lambda: print("killed everything", flush=True), bound_s=1.0).install()
-print("ready", flush=True)
 try:
+    print("ready", flush=True)
     while True:
         time.sleep(0.05)
 except KeyboardInterrupt:
