@@ -43,8 +43,10 @@ from agoractl.training.swarm_report import aggregate
 REPORT_FILE = "swarm-report.json"
 STATUS_S = 2.0
 """Seconds between looks at the DHT for live progress (and rewrites of status.json)."""
-STOP_GRACE_S = 10.0
-"""Seconds the trainers, then the workers and the seed, get to stop after SIGTERM before SIGKILL."""
+STOP_GRACE_S = 25.0
+"""Seconds from the start of a stop until SIGKILL: the trainers get SIGTERM and up to
+:data:`TRAINER_GRACE_S` of it, then the workers and the seed the rest."""
+TRAINER_GRACE_S = 10.0
 
 
 @dataclass
@@ -169,14 +171,14 @@ class Swarm:
         """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order) —
         trainers first, so their in-flight samples finish on live workers, then workers and the seed —
         then SIGKILL each node's whole process group, whatever is left of it after the grace period."""
-        for kinds in (("trainer",), ("worker", "dht")):
+        last = time.monotonic() + STOP_GRACE_S
+        for kinds, deadline in ((("trainer",), time.monotonic() + TRAINER_GRACE_S), (("worker", "dht"), last)):
             alive = [n for n in self.nodes if n.kind in kinds and n.poll() is None]
             for n in alive:
                 try:
                     n.proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + STOP_GRACE_S
             for n in alive:
                 try:
                     n.proc.wait(max(0.1, deadline - time.monotonic()))

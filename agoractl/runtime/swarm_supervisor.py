@@ -36,9 +36,10 @@ from agoractl.runtime.records import SERVING_PHASES
 
 BACKOFF_CAP_S = 60.0
 """The longest wait before a restart, however many restarts came before."""
-STOP_BOUND_S = 30.0
+STOP_BOUND_S = 40.0
 """Seconds from the first SIGINT/SIGTERM by which the launcher and every process it started are gone
-(graceful stops take up to 2 x ``swarm.STOP_GRACE_S``; then SIGKILL)."""
+(graceful stops take up to ``swarm.STOP_GRACE_S``, 25 s; then SIGKILL, the report and the launcher's own
+DHT node)."""
 STALL_NOTE_S = 30.0
 """While stalled but waiting for a restart: seconds between console lines saying why."""
 
