@@ -196,8 +196,14 @@ class Swarm:
             pass
         for pid in pids:
             _signal_group(pid, signal.SIGKILL)
+        reaped = time.monotonic() + 2.0  # the exit codes in the report: SIGKILL takes a moment to land
         for n in self.nodes:
-            n.poll()
+            if n.poll() is None:
+                try:
+                    n.proc.wait(max(0.01, reaped - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                n.poll()
 
     # -- monitoring ---------------------------------------------------------------------------
 
