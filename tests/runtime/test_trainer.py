@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from agoractl.cli.main import exit_code
 from agoractl.errors import StalledRun
 from agoractl.manifest.schema import Run
 from agoractl.runtime.trainer import Trainer
@@ -38,7 +39,7 @@ def test_a_trainer_without_a_stage_to_reach_says_so_and_ends(signals, tmp_path):
         with pytest.raises(StalledRun) as e:
             trainer.train()
         assert time.monotonic() - t0 < 3 + 10
-        assert e.value.exit_code == 3
+        assert exit_code(e.value) == 3
         assert "no sample completed for 3 s: stage head has no reachable worker (0 seen" in e.value.message
         assert "stage tail has no reachable worker" in e.value.message
         assert '"finished_reason": "stalled: no sample completed' in (tmp_path / "trainer.json").read_text()
