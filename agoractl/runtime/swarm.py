@@ -342,6 +342,8 @@ class Swarm:
         if self.signals.signum is not None:
             raise Interrupted(self.signals.signum, f"{report['end_reason']}: every process of the swarm stopped in "
                                                    f"{time.monotonic() - t_stop:.1f} s; report {report['report_path']}")
+        if interrupted:  # a KeyboardInterrupt not from our handlers (not installed off the main thread)
+            raise KeyboardInterrupt
         if failure is not None:
             raise failure
         return report
@@ -349,6 +351,8 @@ class Swarm:
     def _end_reason(self, report: dict, failure: Optional[AgoraError]) -> str:
         if self.signals.signum is not None:
             return f"interrupted by {self.signals.name}"
+        if report.get("interrupted"):
+            return "interrupted"
         if failure is not None:
             return failure.message
         if report.get("completed"):
