@@ -4,7 +4,6 @@ call the runtime, render."""
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 import time
@@ -136,18 +135,16 @@ def trainer(
                     "  agoractl launch swarm manifests/local-cpu.yaml --set local.workers_per_stage=2 --json")
 def swarm(manifest: ManifestArg, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
     """A whole run on this machine: a DHT seed, local.workers_per_stage workers per stage and local.trainers
-    trainers, each its own process on loopback. Shows live progress on a terminal, stops every process on
-    exit, error or Ctrl-C, and writes <local.run_dir>/swarm-report.json."""
+    trainers, each its own process on loopback. A worker or trainer that exits is started again (up to
+    local.max_restarts times); a run without a step for local.stall_timeout_s ends with exit code 3. Shows
+    live progress on a terminal, stops every process on exit, error, Ctrl-C (exit 130) or SIGTERM (143),
+    and writes <local.run_dir>/swarm-report.json."""
     from agoractl.runtime.swarm import Swarm
 
     run = load(manifest, set_)
     if run.model.family == "llama" and run.model.ssn.rank is None:
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
-    def interrupt(signum, _frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
     note(f"swarm: {run.metadata.name}, {len(run.stages)} stages x {run.local.workers_per_stage} workers, "
          f"{run.local.trainers} trainers, {run.training.max_steps} steps of {run.training.global_batch_size} samples")
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
@@ -214,6 +211,8 @@ def _render_swarm(r: dict) -> None:
         counts = ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("stage", "trainers"))
         stdout.print(f"faulty worker {peer[-8:]} of {f.get('stage')}: rejected by {f.get('trainers')} trainer(s) "
                      f"({counts})")
+    if not r.get("completed", True):
+        stdout.print(f"ended before training.max_steps: {r.get('end_reason', 'unknown')}")
     stdout.print(f"report: {r['report_path']}")
 
 

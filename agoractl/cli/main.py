@@ -5,7 +5,8 @@ A command group's module is imported only when that command runs (or its own ``-
 for), so the command modules and the library import what they need at the top, and
 ``agoractl --help`` or ``agoractl manifest validate`` do not pay for torch or hivemind.
 
-Exit codes: 0 success, 1 runtime failure, 2 invalid usage or manifest. A known error prints one line
+Exit codes: 0 success, 1 runtime failure, 2 invalid usage or manifest, 3 a stalled run, 130 / 143
+stopped by SIGINT / SIGTERM. A known error prints one line
 (and what to do next) on stderr; a traceback only with ``AGORA_DEBUG=1``.
 """
 
@@ -21,14 +22,18 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from agoractl import __version__
-from agoractl.errors import AgoraError, RuntimeFailure, UsageError
+from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, StalledRun, UsageError
 
-EXIT_CODES: tuple[tuple[type[AgoraError], int], ...] = ((UsageError, 2), (RuntimeFailure, 1), (AgoraError, 1))
-"""Domain error -> exit code, first match wins (the only place that decides an exit code)."""
+EXIT_CODES: tuple[tuple[type[AgoraError], int], ...] = (
+    (UsageError, 2), (StalledRun, 3), (RuntimeFailure, 1), (AgoraError, 1))
+"""Domain error -> exit code, first match wins (the only place that decides an exit code); an
+:class:`~agoractl.errors.Interrupted` run exits with 128 + its signal (130 SIGINT, 143 SIGTERM)."""
 
 
 def exit_code(error: AgoraError) -> int:
     """The exit code of a domain error (see :data:`EXIT_CODES`)."""
+    if isinstance(error, Interrupted):
+        return 128 + error.signum
     return next(code for kind, code in EXIT_CODES if isinstance(error, kind))
 
 

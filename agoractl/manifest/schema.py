@@ -255,6 +255,10 @@ class Trainers(Section):
     """Re-dispatches of one request to other replicas before the sample is counted as lost."""
     request_timeout_s: float = Field(60.0, gt=0)
     """Seconds to wait for one forward or backward reply."""
+    stall_timeout_s: float = Field(300.0, ge=0)
+    """Seconds without a completed sample after which a trainer (`launch trainer`) says which stage it cannot
+    reach and exits with code 3; 0 = never. `launch swarm` turns it off in its trainers: it watches the
+    whole run itself (local.stall_timeout_s) and starts what died again."""
 
 
 class Validation(Section):
@@ -342,6 +346,15 @@ class Local(Section):
     """torch threads in each started process."""
     run_dir: str = "runs/local-cpu"
     """Where `launch swarm` and `launch central` write logs and the run report."""
+    max_restarts: int = Field(3, ge=0)
+    """Times `launch swarm` starts each worker or trainer again after its process exited (any exit code,
+    killed, or a self-termination rule), counted per node like torchrun's --max-restarts; 0 = never."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """Seconds before a node's first restart, doubled for each further restart of the same node (at most
+    60 s)."""
+    stall_timeout_s: float = Field(300.0, gt=0)
+    """Seconds without a completed optimizer step after which `launch swarm` says why the run stalled, and
+    ends it (exit code 3) when no restart is pending."""
 
 
 class Run(Section):

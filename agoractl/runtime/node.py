@@ -80,11 +80,15 @@ def visible_maddrs(dht) -> list[str]:
 
 
 def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM / SIGINT set `stop`; a second signal exits at once."""
+    """SIGTERM / SIGINT set `stop`; a second signal exits at once. Signals are counted, not `stop`: a node
+    that was already stopping on its own (its stage finished) still gets to write its stats when the
+    launcher's one SIGTERM arrives."""
+    received: list[int] = []
 
     def handler(signum, _frame):
-        if stop.is_set():
+        if received:
             os._exit(128 + signum)
+        received.append(signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

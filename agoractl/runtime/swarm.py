@@ -4,7 +4,10 @@ Starts a DHT seed (``launch dht``), ``local.workers_per_stage`` workers per stag
 ``local.trainers`` trainers — each an ordinary ``agoractl launch ...`` subprocess in its own process
 group, logging to ``<run_dir>/swarm/logs/`` — waits for readiness through the DHT records (not by
 sleeping), watches the run (live on a terminal: step, loss, tokens/s, live workers per stage), and
-stops every process it started when the trainers finish, on error and on Ctrl-C. Nodes write their
+stops every process it started when the trainers finish, on error and on Ctrl-C or SIGTERM (within
+:data:`~agoractl.runtime.swarm_supervisor.STOP_BOUND_S`). While the run goes on, a
+:class:`~agoractl.runtime.swarm_supervisor.Supervisor` starts exited workers and trainers again
+(``local.max_restarts``) and ends a run stalled for ``local.stall_timeout_s``. Nodes write their
 final stats to ``<run_dir>/swarm/nodes/``; the run report goes to ``<run_dir>/swarm-report.json``
 (:mod:`agoractl.training.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every two seconds:
 the seed's multiaddrs, every node's pid, and the stages' progress (what a script needs to join or
@@ -26,18 +29,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
+
 from agoractl import storage
-from agoractl.errors import RuntimeFailure, UsageError
+from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
+from agoractl.runtime.swarm_supervisor import StopSignals, Supervisor
 from agoractl.training.report import write_report
 from agoractl.training.swarm_report import aggregate
 
 REPORT_FILE = "swarm-report.json"
 STATUS_S = 2.0
 """Seconds between looks at the DHT for live progress (and rewrites of status.json)."""
-STOP_GRACE_S = 15.0
+STOP_GRACE_S = 25.0
+"""Seconds from the start of a stop until SIGKILL: the trainers get SIGTERM and up to
+:data:`TRAINER_GRACE_S` of it, then the workers and the seed the rest."""
+TRAINER_GRACE_S = 10.0
 
 
 @dataclass
@@ -71,6 +80,7 @@ class Snapshot:
     workers: dict = field(default_factory=dict)  # stage -> {peer: WorkerRecord}
     trainers: dict = field(default_factory=dict)  # index -> TrainerRecord
     time: float = 0.0
+    error: Optional[str] = None  # the last DHT read failed: why
 
 
 class Swarm:
@@ -89,6 +99,8 @@ class Swarm:
         self.dht = None
         self.records: Optional[RunRecords] = None
         self.started_training: Optional[float] = None
+        self.supervisor = Supervisor(self)
+        self.signals = StopSignals(self.kill_groups)
 
     # -- processes ----------------------------------------------------------------------------
 
@@ -140,10 +152,13 @@ class Swarm:
         n.stats_path = stats
         return n
 
-    def start_trainer(self, index: int) -> Node:
-        name = f"trainer-{index}"
+    def start_trainer(self, index: int, name: Optional[str] = None) -> Node:
+        name = name or f"trainer-{index}"
         stats = self.dir / "nodes" / f"{name}.json"
+        # The launcher watches the whole run for stalls (local.stall_timeout_s) and restarts what died:
+        # a trainer of its own giving up on a stage meanwhile would only cost a restart.
         n = self._spawn(name, "trainer", self._argv("trainer", "--index", str(index), "--stats", str(stats),
+                                                    "--set", "trainers.stall_timeout_s=0",
                                                     "--min-workers", str(self.run.local.workers_per_stage),
                                                     *self._peer_args()))
         n.stats_path = stats
@@ -156,22 +171,39 @@ class Swarm:
         """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order) —
         trainers first, so their in-flight samples finish on live workers, then workers and the seed —
         then SIGKILL each node's whole process group, whatever is left of it after the grace period."""
-        for kinds in (("trainer",), ("worker", "dht")):
+        last = time.monotonic() + STOP_GRACE_S
+        for kinds, deadline in ((("trainer",), time.monotonic() + TRAINER_GRACE_S), (("worker", "dht"), last)):
             alive = [n for n in self.nodes if n.kind in kinds and n.poll() is None]
             for n in alive:
                 try:
                     n.proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + STOP_GRACE_S
             for n in alive:
                 try:
                     n.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-        for n in self.nodes:  # the group too: DHT children and p2pd of a node killed earlier
-            _signal_group(n.proc.pid, signal.SIGKILL)
-            n.poll()
+        self.kill_groups()
+
+    def kill_groups(self) -> None:
+        """SIGKILL every node's process group (DHT children and p2pd of a node killed earlier too), and any
+        child that leads its own group (a node started while a signal struck, before it was recorded)."""
+        pids = {n.proc.pid for n in self.nodes}
+        try:
+            pids |= {c.pid for c in psutil.Process().children() if os.getpgid(c.pid) == c.pid}
+        except (psutil.Error, OSError):
+            pass
+        for pid in pids:
+            _signal_group(pid, signal.SIGKILL)
+        reaped = time.monotonic() + 2.0  # the exit codes in the report: SIGKILL takes a moment to land
+        for n in self.nodes:
+            if n.poll() is None:
+                try:
+                    n.proc.wait(max(0.01, reaped - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                n.poll()
 
     # -- monitoring ---------------------------------------------------------------------------
 
@@ -180,14 +212,16 @@ class Swarm:
         for s in self.run.stage_names():
             try:
                 snap.workers[s] = self.records.stage_workers(s)
-            except Exception:
+            except Exception as e:
                 snap.workers[s] = self.snapshot.workers.get(s, {})
+                snap.error = f"{type(e).__name__}: {e}"[:200]
             for peer, rec in snap.workers[s].items():
                 self.seen[peer] = rec
         try:
             snap.trainers = self.records.trainers()
-        except Exception:
+        except Exception as e:
             snap.trainers = self.snapshot.trainers
+            snap.error = f"{type(e).__name__}: {e}"[:200]
         self.snapshot = snap
         return snap
 
@@ -213,6 +247,7 @@ class Swarm:
             if elapsed > 0 else 0.0,
             "completed_samples": sum(t.completed for t in snap.trainers.values()),
             "lost_samples": sum(t.lost for t in snap.trainers.values()),
+            "restarts": self.supervisor.restarts(),
         }
 
     def _write_status(self, status: dict) -> None:
@@ -270,8 +305,9 @@ class Swarm:
         startup = self.run.network.startup_timeout_s
         self.prepare()
         t_begin = time.time()
-        interrupted = False
+        interrupted, failure = False, None
         try:
+            self.signals.install()  # inside the try: a signal right after it still stops what started
             self.maddrs = self.start_seed(startup * 2)
             self.dht = node.start_dht(self.run, self.maddrs, client_mode=True)
             self.records = RunRecords(self.dht, self.run.metadata.name)
@@ -286,24 +322,49 @@ class Swarm:
             self.on_note(f"{sum(n.kind == 'worker' for n in self.nodes)} workers up in {time.time() - t_begin:.1f} s "
                  f"(logs in {self.dir / 'logs'})")
             self.started_training = time.time()
+            self.supervisor.adopt()
             self._watch(trainers)
         except KeyboardInterrupt:
             interrupted = True
+        except AgoraError as e:  # a stall, every trainer failed, a start-up failure: reported, then raised
+            failure = e
         finally:
+            self.signals.stopping = True  # from here on a signal is only recorded: this stop is bounded
+            t_stop = time.monotonic()
             self.stop_all()  # _watch took the last look at the DHT while the nodes were still up
             if self.dht is not None:
                 node.shutdown_dht(self.dht)
         report = self.report(fallback_elapsed_s=time.time() - (self.started_training or t_begin),
-                             interrupted=interrupted)
+                             interrupted=interrupted or self.signals.signum is not None)
+        report["end_reason"] = self._end_reason(report, failure)
         report["report_path"] = write_report(self.run.local.run_dir, REPORT_FILE, report)
-        if interrupted:
+        self.signals.restore()
+        if self.signals.signum is not None:
+            raise Interrupted(self.signals.signum, f"{report['end_reason']}: every process of the swarm stopped in "
+                                                   f"{time.monotonic() - t_stop:.1f} s; report {report['report_path']}")
+        if interrupted:  # a KeyboardInterrupt not from our handlers (not installed off the main thread)
             raise KeyboardInterrupt
+        if failure is not None:
+            raise failure
         return report
+
+    def _end_reason(self, report: dict, failure: Optional[AgoraError]) -> str:
+        if self.signals.signum is not None:
+            return f"interrupted by {self.signals.name}"
+        if report.get("interrupted"):
+            return "interrupted"
+        if failure is not None:
+            return failure.message
+        if report.get("completed"):
+            return "max_steps reached"
+        return self.supervisor.early_end or "the trainers ended before training.max_steps"
 
     def _watch(self, trainers: list[Node]) -> None:
         last_status = 0.0
         while True:
-            done = [t for t in trainers if t.poll() is not None]
+            self.supervisor.tick()  # exited nodes started again; StalledRun when nothing moves
+            trainers = self.supervisor.trainers()
+            done = [t for t in trainers if self.supervisor.settled(t)]
             if time.monotonic() - last_status >= STATUS_S or len(done) == len(trainers):
                 last_status = time.monotonic()
                 self.observe()
@@ -339,12 +400,16 @@ class Swarm:
         for index, rec in self.snapshot.trainers.items():
             if index not in written:
                 lost_trainers.append(rec.to_dict())
-        return aggregate(self.run, workers, trainers, lost_trainers, fallback_elapsed_s,
+        report = aggregate(self.run, workers, trainers, lost_trainers, fallback_elapsed_s,
                          interrupted=interrupted, workers=[_worker_summary(w) for w in workers],
                          trainers=[_trainer_summary(t) for t in trainers], exit_codes=exits,
                          processes={"workers_per_stage": self.run.local.workers_per_stage,
                                     "trainers": self.run.local.trainers,
-                                    "threads_per_process": self.run.local.threads_per_process})
+                                    "threads_per_process": self.run.local.threads_per_process},
+                           restarts=self.supervisor.restarts(), node_exits=self.supervisor.exits)
+        for s in report["stages"]:
+            s["restarts"] = self.supervisor.stage_restarts(s["name"])
+        return report
 
 
 def _signal_group(pid: int, sig: int) -> None:

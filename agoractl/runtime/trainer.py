@@ -16,7 +16,9 @@ Tensors on the wire are what the workers send: SSN coordinates (k per token) whe
 set, never a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records
 every ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes
 loss, samples and tokens consumed per shard in the DHT, and stops once every stage has taken
-``training.max_steps`` steps (seen in the workers' replies and records) or its data runs out.
+``training.max_steps`` steps (seen in the workers' replies and records) or its data runs out. When no
+sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable
+DHT), it logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
 Every reply is checked before it is used (:class:`~agoractl.algorithms.validation.ReplyChecks`, with
 ``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**,
@@ -38,10 +40,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from agoractl import logs
+from agoractl.errors import StalledRun
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.algorithms.balancer import Balancer
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
+from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.transport import StageClient
 from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
 
@@ -106,6 +110,10 @@ class Trainer:
         self._dht_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-dht")
         self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-data")
         self._last_discovery = {s: float("-inf") for s in self.stages}
+        self.stall = StallClock(self.t.stall_timeout_s, time.monotonic())
+        self.stall.observe(0, time.monotonic())
+        self.stalled: Optional[str] = None
+        self._dht_error: Optional[str] = None
         logs.bind(run=run.metadata.name, role="trainer", trainer=index, peer=self.peer[-8:])
 
     # -- helpers ------------------------------------------------------------------------------
@@ -122,8 +130,10 @@ class Trainer:
         try:
             found = await self._dht(self.records.stage_workers, stage)
         except Exception as e:
-            self.log.warning("discovery failed", stage=stage, error=f"{type(e).__name__}: {e}")
+            self._dht_error = f"{type(e).__name__}: {e}"[:200]
+            self.log.warning("discovery failed", stage=stage, error=self._dht_error)
             return
+        self._dht_error = None
         serving = {p: (r.throughput or None) for p, r in found.items() if r.phase in SERVING_PHASES}
         added, removed = self.balancers[stage].update(serving, time.monotonic())
         self.seen_workers[stage].update(serving)
@@ -293,6 +303,7 @@ class Trainer:
                 if await self.run_sample(batch):
                     self.stats.completed += n
                     self.stats.last_completion = time.time()
+                    self.stall.observe(self.stats.completed, time.monotonic())
             finally:
                 self.in_flight -= n
 
@@ -343,8 +354,38 @@ class Trainer:
                 t0 = time.monotonic()
             await asyncio.sleep(0.5)
 
+    def stall_cause(self) -> str:
+        """Why no sample completes: the stages without a reachable worker, or the DHT."""
+        if self._dht_error:
+            return f"the DHT is unreachable ({self._dht_error})"
+        now = time.monotonic()
+        cut = [s for s in self.stages if not self.balancers[s].available(now)]
+        if cut:
+            return "; ".join(f"stage {s} has no reachable worker ({len(self.seen_workers[s])} seen, all gone "
+                             f"or banned)" for s in cut)
+        lost = ", ".join(f"{k}: {v}" for k, v in self.stats.lost_at.items())
+        return "every stage has a worker, yet no sample completes" + (f" (lost at {lost})" if lost else "")
+
+    async def _stall_loop(self) -> None:
+        """trainers.stall_timeout_s without a completed sample: say why and stop (train() then raises)."""
+        while self.t.stall_timeout_s > 0 and not self.stop.is_set():
+            await asyncio.sleep(1.0)
+            if self.stall.stalled(time.monotonic()):
+                self.stalled = f"no sample completed for {self.stall.idle_s(time.monotonic()):.0f} s: " \
+                               f"{self.stall_cause()}"
+                self.log.error("stalled", reason=self.stalled)
+                self.stats.finished_reason = f"stalled: {self.stalled}"
+                self.stop.set()
+
     async def _main(self) -> None:
         self.client = StageClient(await self.dht.replicate_p2p(), self.run.metadata.name)
+        watchdog = asyncio.create_task(self._stall_loop())
+        try:
+            await self._train()
+        finally:
+            watchdog.cancel()
+
+    async def _train(self) -> None:
         await self._wait_for_stages()
         self.cpu_at_start = node.cpu_seconds()
         self.log.info("trainer starts", in_flight=self.t.in_flight, microbatch=self.t.microbatch)
@@ -385,6 +426,10 @@ class Trainer:
             node.shutdown_dht(self.dht)
         self.log.info("trainer done", reason=stats["finished_reason"], completed=stats["completed"],
                       lost=stats["lost"])
+        if self.stalled:
+            raise StalledRun(f"trainer {self.index} stalled: {self.stalled}",
+                             hint="start workers for that stage (agoractl launch worker FILE --stage ...), or "
+                                  "raise trainers.stall_timeout_s")
         return stats
 
     def final_stats(self) -> dict:

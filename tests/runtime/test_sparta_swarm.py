@@ -52,6 +52,7 @@ SETTINGS = [
     # A contributor on a loaded machine can miss a group or two; self-termination has its own tests
     # (test_termination_workers.py) and must not take C out before its preemption here.
     "workers.self_termination.allreduce_failures=4", "workers.self_termination.window_rounds=4",
+    "local.max_restarts=0",  # the preempted workers stay gone: the scenario counts on who is left
 ]
 
 

@@ -169,11 +169,12 @@ def test_replicated_swarm_trains_steps_together_and_coalesces(corpus, procs, tmp
 
 def test_sigkilled_worker_costs_retries_not_samples(corpus, procs, tmp_path):
     """SIGKILL one body worker mid-run: training still reaches max_steps, the dead worker is banned,
-    its work is re-sent (retries), and no sample is lost."""
+    its work is re-sent (retries), and no sample is lost (not replaced here: local.max_restarts=0;
+    replacement is test_swarm_supervision.py's)."""
     run_dir = tmp_path / "run"
     p, status = run_swarm(procs, run_dir, corpus + TINY + [
         "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "trainers.in_flight=4",
-        "training.max_steps=30"])
+        "training.max_steps=30", "local.max_restarts=0"])
     s = wait_status(status, p, lambda s: s["stages"]["body-1"]["step"] >= 6)
     victim = next(n for n in s["nodes"] if n["name"] == "worker-body-1-0")
     os.killpg(victim["pid"], signal.SIGKILL)  # the whole node: python, its DHT process and p2pd

@@ -1,0 +1,47 @@
+"""A trainer (agoractl.runtime.trainer) that cannot reach a stage: in-process, against a real hivemind DHT
+on loopback with no worker in it, it says which stage and ends with StalledRun (exit code 3) once
+trainers.stall_timeout_s passed without a completed sample."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from agoractl.cli.main import exit_code
+from agoractl.errors import StalledRun
+from agoractl.manifest.schema import Run
+from agoractl.runtime.trainer import Trainer
+
+
+@pytest.fixture
+def signals():
+    """train() installs its own SIGINT/SIGTERM handlers: give pytest's back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_a_trainer_without_a_stage_to_reach_says_so_and_ends(signals, tmp_path):
+    import hivemind
+
+    seed = hivemind.DHT(start=True, startup_timeout=120)
+    try:
+        run = Run.model_validate({"trainers": {"stall_timeout_s": 3, "discovery_period_s": 1},
+                                  "network": {"startup_timeout_s": 120}})
+        samples = iter([torch.zeros(run.model.seq_len + 1, dtype=torch.long)] * 4)
+        trainer = Trainer(run, 0, [str(a) for a in seed.get_visible_maddrs()], samples=samples,
+                          stats_path=str(tmp_path / "trainer.json"))
+        t0 = time.monotonic()
+        with pytest.raises(StalledRun) as e:
+            trainer.train()
+        assert time.monotonic() - t0 < 3 + 10
+        assert exit_code(e.value) == 3
+        assert "no sample completed for 3 s: stage head has no reachable worker (0 seen" in e.value.message
+        assert "stage tail has no reachable worker" in e.value.message
+        assert '"finished_reason": "stalled: no sample completed' in (tmp_path / "trainer.json").read_text()
+    finally:
+        seed.shutdown()
