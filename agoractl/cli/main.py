@@ -12,7 +12,7 @@ import sys
 import typer
 
 from agoractl import __version__
-from agoractl.cli import analyze, checkpoint, data, demo, launch, manifest, ops, rotate, shard, simulate
+from agoractl.cli import analyze, checkpoint, data, demo, export, launch, manifest, ops, rotate, shard, simulate
 from agoractl.cli import launch_nodes  # noqa: F401  registers launch dht|worker|trainer|swarm on launch.app
 from agoractl.errors import AgoraError
 
@@ -33,6 +33,8 @@ app.command(name="rotate-shards")(rotate.rotate_shards)
 app.command(name="simulate")(simulate.simulate)
 app.add_typer(ops.app, name="ops")
 app.command(name="demo")(demo.demo)
+app.command(name="export")(export.export)
+app.command(name="eval")(export.evaluate)
 
 
 def _version(value: bool) -> None:
