@@ -69,6 +69,10 @@ COMMANDS: dict[str, Entry] = {
                       "Train replicas in this process with the workers' own algorithm code and compare the "
                       "variants."),
     "ops": Entry("agoractl.cli.ops", "app", "Operate a running swarm: fault injection."),
+    "export": Entry("agoractl.cli.export", "export",
+                    "Assemble the run's model into a Hugging Face LlamaForCausalLM directory."),
+    "eval": Entry("agoractl.cli.export", "evaluate",
+                  "Held-out perplexity of an exported model, scored as lm-eval-harness scores it."),
     "demo": Entry("agoractl.cli.demo", "demo",
                   "Run the embedded default (manifests/local-cpu.yaml) end to end with the public commands."),
 }

@@ -254,6 +254,23 @@ def split_sample(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return samples[:, :-1], samples[:, 1:]
 
 
+@torch.no_grad()
+def greedy(model: nn.Module, prompt: list[int], n: int, eos: Optional[int] = None) -> list[int]:
+    """Greedy decoding with the monolithic model: up to `n` tokens after `prompt` (each step re-reads
+    the last ``seq_len`` tokens; no cache), stopping after `eos`."""
+    ids = list(prompt)
+    length = model.rotary.length
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(torch.tensor([ids[-length:]], dtype=torch.long))
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+        if nxt == eos:
+            break
+    return out
+
+
 # ---- initialisation -------------------------------------------------------------------------------
 
 def _init_std(module: nn.Module, m: Model) -> float:

@@ -476,3 +476,20 @@ def test_analyze_divergence_finds_the_most_recently_averaged_segment_lowest(scen
         lowest = min(range(out["segments"]), key=variances.__getitem__)
         assert lowest == out["last_averaged_segment"][step], (step, out["last_averaged_segment"][step], variances)
         assert out["js_max"][step] > 0
+
+
+def test_swarm_checkpoints_export_to_the_same_model(scenario, tmp_path):
+    """`agoractl export` of the swarm's store (SSN boundaries): transformers loads the directory offline and
+    gives the stages' next-token logits and greedy continuation (issue: export)."""
+    from agoractl.manifest.loader import load_manifest
+    from agoractl.model.build import build_model
+    from agoractl.ops.checkpoint import CheckpointStore
+    from tests.ops.test_export import assert_export_matches
+
+    run = load_manifest(MANIFEST, scenario.values)
+    store = CheckpointStore(run)
+    common = sorted(set.intersection(*(set(store.steps(s)) for s in run.stage_names())))
+    assert common, {s: store.steps(s) for s in run.stage_names()}
+    model = build_model(run)
+    model.load_state_dict({k: v for s in run.stage_names() for k, v in store.load(s, common[-1]).model_state.items()})
+    assert_export_matches(scenario.values, model, tmp_path / "hf", "--step", str(common[-1]))
