@@ -15,6 +15,19 @@ from agoractl.cli.output import emit, note, stdout
 from agoractl.data.index import read_index
 from agoractl.errors import UsageError
 
+ResumeStepOpt = Annotated[Optional[int], typer.Option(
+    "--resume-step", help="Resume from the checkpoint at this step (default: the latest complete one).", min=1,
+    show_default=False)]
+FreshOpt = Annotated[bool, typer.Option("--fresh", help="Start over at step 0 (in an empty store, or with --force).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="With --fresh: move the store's checkpoints aside under "
+                                                        "aside/; alone: resume from a store bound to another run.")]
+
+
+def check_resume_options(resume_step: Optional[int], fresh: bool) -> None:
+    if fresh and resume_step is not None:
+        raise UsageError("--fresh and --resume-step exclude each other", hint="drop one of them")
+
+
 app = typer.Typer(help="Start nodes of a run, a whole local swarm, or the centralized reference.",
                   no_args_is_help=True)
 
@@ -33,17 +46,33 @@ def central(
     wrap: Annotated[bool, typer.Option("--wrap", help="Start another epoch over the shards when the corpus "
                                                       "is used up, instead of ending early.")] = False,
     log_every: Annotated[int, typer.Option(help="A progress line on stderr every this many steps.", min=1)] = 10,
+    resume_step: ResumeStepOpt = None,
+    fresh: FreshOpt = False,
+    force: ForceOpt = False,
+    until_step: Annotated[Optional[int], typer.Option(
+        "--until-step", help="Stop after this step (a checkpoint is written there); the schedule still "
+                             "runs to training.max_steps, so a later resume continues it exactly.", min=1,
+        show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The centralized reference (report §5.5): the whole model in one process, on the run's data stream,
     with the same global batch, optimizer, schedule and clipping as the swarm. Writes
-    <local.run_dir>/central-report.json (steps, tokens, tokens_per_s, loss, final_loss)."""
+    <local.run_dir>/central-report.json (steps, tokens, tokens_per_s, loss, final_loss).
+
+    With checkpoints.every_steps set, the whole model and its optimizer state are checkpointed under
+    <checkpoints.store>/central/, and a rerun resumes from the latest one (bit for bit)."""
     run = load(manifest, set_)  # manifest errors before torch is imported: they come back at once
+    check_resume_options(resume_step, fresh)
+    if until_step is not None and until_step > run.training.max_steps:
+        raise UsageError(f"--until-step {until_step} is beyond training.max_steps ({run.training.max_steps})")
     if run.model.family != "llama":
         raise UsageError(f"{manifest}: launch central trains the real model; model.family is {run.model.family}",
                          hint="use a manifest with model.family: llama")
     check_device(device, allow_auto=True)
     read_index(run.data.output)  # a missing shard index: one line, before torch is imported
+    from agoractl.training.central_resume import CentralCheckpoints
+
+    checkpoints = CentralCheckpoints(run, resume_step, fresh, force)  # refusals before torch, too
     import torch
 
     from agoractl.data.stream import run_sequences
@@ -55,11 +84,12 @@ def central(
         raise UsageError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu")
     torch.set_num_threads(threads or run.local.threads_per_process)
     # Open the stream before announcing anything: a missing shard index is the first line printed.
-    samples = run_sequences(run, wrap=wrap)
+    samples = checkpoints.skip(run_sequences(run, wrap=wrap))
     first = next(samples, None)
     samples = itertools.chain([] if first is None else [first], samples)
     note(f"central: {run.metadata.name} on {dev}, {run.training.max_steps} steps of "
          f"{run.training.global_batch_size} x {run.model.seq_len} tokens")
+    note(f"central: {checkpoints.plan.describe()}")
 
     def progress(s: dict) -> None:
         if (s["step"] + 1) % log_every == 0 or s["step"] == 0 or s["step"] + 1 == run.training.max_steps:
@@ -70,7 +100,9 @@ def central(
     from agoractl.ops.export import CENTRAL_MODEL
 
     report = train_central(run, samples, dev, microbatch, progress,
-                           model_url=storage.join(run.local.run_dir, CENTRAL_MODEL))
+                           model_url=storage.join(run.local.run_dir, CENTRAL_MODEL), resume=checkpoints.load(),
+                           until=until_step, on_checkpoint=checkpoints.save if checkpoints.enabled else None)
+    report["resume"] = checkpoints.plan.as_dict()
     path = write_report(run.local.run_dir, "central-report.json", report)
     if not report["completed"]:
         note(f"the data stream ran out after {report['steps']} of {run.training.max_steps} steps "
@@ -81,6 +113,8 @@ def central(
 
 def _render_central(r: dict) -> None:
     first = r["loss"][0][1]
+    if r.get("resume", {}).get("action") == "resume":
+        stdout.print(f"resumed from step {r['resume']['step']} ({r['resume']['store']})")
     stdout.print(f"{r['name']}: {r['steps']} steps, {r['tokens']:,} tokens in {r['elapsed_s']:.1f} s "
                  f"({r['tokens_per_s']:,.0f} tokens/s on {r['device']})")
     stdout.print(f"loss {first:.4f} -> {r['final_loss']:.4f} (mean of the last steps)")

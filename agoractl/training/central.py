@@ -23,9 +23,11 @@ from agoractl.manifest.schema import Run
 from agoractl.model.build import build_model, count_module, stage_parameter_names
 from agoractl.model.llama import lm_loss, split_sample
 from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
+from agoractl.ops.checkpoint import Checkpoint, due
 from agoractl.training.report import run_report
 
 StepCallback = Callable[[dict], None]
+CheckpointCallback = Callable[[int, torch.nn.Module, object], None]
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -58,10 +60,15 @@ def batches(samples: Iterator[torch.Tensor], size: int) -> Iterator[torch.Tensor
 
 def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.device | str = "cpu",
                   microbatch: Optional[int] = None, on_step: Optional[StepCallback] = None,
-                  model_url: Optional[str] = None) -> dict:
-    """Train the monolithic model for training.max_steps steps (fewer if `samples` runs out) and
-    return the run report (see :mod:`agoractl.training.report`); with `model_url`, the final weights
-    are written there (safetensors, global names, the step count in its metadata) for export."""
+                  model_url: Optional[str] = None, resume: Optional[Checkpoint] = None,
+                  until: Optional[int] = None, on_checkpoint: Optional[CheckpointCallback] = None) -> dict:
+    """Train the monolithic model for training.max_steps steps (fewer if `samples` runs out, or up to
+    step `until`) and return the run report (see :mod:`agoractl.training.report`); with `model_url`, the
+    final weights are written there (safetensors, global names, the step count in its metadata) for export.
+
+    `resume`: the checkpoint to continue from (weights and AdamW state; the schedule follows the step);
+    `samples` must then start where that checkpoint's run stopped drawing. `on_checkpoint(step, model,
+    optimizer)` runs after every ``checkpoints.every_steps`` steps and after the last step."""
     device = torch.device(device)
     t = run.training
     batch_size, seq_len = t.global_batch_size, run.model.seq_len
@@ -72,7 +79,8 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
     groups = clip_groups(run, model)
     losses: list[list[float]] = []
     norms: list[list] = []
-    step = 0
+    step = first = resume.apply_to(model, optimizer) if resume is not None else 0
+    last = min(t.max_steps, until or t.max_steps)
     start = time.monotonic()
     for batch in batches(samples, batch_size):
         if batch.shape[1] != seq_len + 1:
@@ -100,11 +108,13 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
         if on_step is not None:
             elapsed = time.monotonic() - start
             on_step({"step": step - 1, "loss": step_loss, "lr": lr, "grad_norm": step_norms,
-                     "tokens_per_s": step * batch_size * seq_len / elapsed if elapsed > 0 else 0.0})
-        if step >= t.max_steps:
+                     "tokens_per_s": (step - first) * batch_size * seq_len / elapsed if elapsed > 0 else 0.0})
+        if on_checkpoint is not None and (due(step, run.checkpoints.every_steps) or step >= last):
+            on_checkpoint(step, model, optimizer)
+        if step >= last:
             break
     elapsed = time.monotonic() - start
-    if step == 0:
+    if step == first:
         raise RuntimeFailure(f"the data stream ran out before the first step (a step needs "
                              f"{batch_size} samples of {seq_len + 1} tokens)",
                              hint="shard a larger corpus, or lower training.global_batch_size")
@@ -113,9 +123,10 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
         storage.write_bytes_atomic(model_url, safetensors.torch.save(state, metadata={"step": str(step)}))
     return run_report(
-        mode="central", name=run.metadata.name, steps=step, tokens=step * batch_size * seq_len,
+        mode="central", name=run.metadata.name, steps=step - first, tokens=(step - first) * batch_size * seq_len,
         elapsed_s=elapsed, loss=losses,
         device=str(device), precision=t.precision, params=trainable, global_batch_size=batch_size,
-        microbatch=micro, seq_len=seq_len, max_steps=t.max_steps, completed=step >= t.max_steps,
+        microbatch=micro, seq_len=seq_len, max_steps=t.max_steps, completed=step >= last,
+        start_step=first, end_step=step,
         grad_norm=norms,
     )
