@@ -110,9 +110,10 @@ def main(argv=None) -> int:
         agoractl("data", "sample", "--out", f"{tmp}/sample", "--rows", str(args.rows), "--files", "2")
         agoractl("shard", str(MANIFEST), *[a for s in data for a in ("--set", s)])
         overrides = [f"trainers.microbatch={args.microbatch}", f"trainers.in_flight={args.in_flight}"] + args.sets
-        # every artefact stays in the temporary directory, the checkpoint store included
+        # Every artefact stays in the temporary directory (the store too); each run starts over (--fresh
+        # --force: the previous run's checkpoints are moved aside, not resumed).
         sets = [a for s in data + [f"local.run_dir={tmp}/run", f"checkpoints.store={tmp}/store"] + overrides
-                for a in ("--set", s)]
+                for a in ("--set", s)] + ["--fresh", "--force"]
         # The central reference's CPU per training step: a full run minus a one-step run (start-up, imports).
         one_step = agoractl("launch", "central", str(MANIFEST), *sets, "--set", "training.max_steps=1",
                             "--set", "training.schedule.warmup_steps=0")

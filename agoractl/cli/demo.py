@@ -42,9 +42,11 @@ def steps(manifest: Path) -> list[list[str]]:
         ["manifest", "validate", m],
         ["manifest", "plan", m],
         *data_steps(manifest),
-        ["launch", "central", m, "--set", "training.max_steps=20"],
+        # --fresh --force: a second demo starts over (the first one's checkpoints are moved aside).
+        ["launch", "central", m, "--set", "training.max_steps=20", "--fresh", "--force"],
         # Two replicas per stage, so that SPARTA averages and the replicas' snapshots can be compared.
-        ["launch", "swarm", m, "--set", "training.max_steps=20", "--set", "local.workers_per_stage=2"],
+        ["launch", "swarm", m, "--set", "training.max_steps=20", "--set", "local.workers_per_stage=2",
+         "--fresh", "--force"],
         ["checkpoint", "list", m],
         ["analyze", "divergence", m, "--stage", "head"],
         ["simulate", m, "--scenario", "fgdiloco", "--rounds", "4", "--inner-steps", "4", "--set", "model.seq_len=64"],

@@ -16,10 +16,11 @@ from rich.table import Table
 from agoractl import logs
 
 from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load
-from agoractl.cli.launch import app
+from agoractl.cli.launch import FreshOpt, ForceOpt, ResumeStepOpt, app, check_resume_options
 from agoractl.cli.output import emit, note, stderr, stdout
 from agoractl.errors import UsageError
 from agoractl.training.fault_drill import FAULTS
+from agoractl.ops import resume
 
 PeersOpt = Annotated[Optional[list[str]], typer.Option(
     "--initial-peers", help="Multiaddr of a DHT peer to join (repeatable); default network.initial_peers.",
@@ -71,11 +72,18 @@ def worker(
         hidden=True, help="Fault drill: nan-outputs, huge-outputs, nan-grads, nan-parts or huge-parts "
                           "(this worker's values are made wrong on purpose; for tests of the swarm's defences).",
         show_default=False)] = None,
+    resume_step: ResumeStepOpt = None,
+    fresh: FreshOpt = False,
+    force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """One worker: a replica of one stage, serving forward and backward requests (report §3.3.1) until the
-    stage reaches training.max_steps and falls idle, or Ctrl-C / SIGTERM."""
+    stage reaches training.max_steps and falls idle, or Ctrl-C / SIGTERM. A worker of a stage that is not
+    running resumes from the newest checkpoint complete for every stage (or --resume-step); one joining
+    a running stage loads its state from a peer or the store."""
     run = load(manifest, set_)
+    check_resume_options(resume_step, fresh)
+    _check_store(run, resume_step, fresh, force)
     # Checked before importing the runtime (hivemind and torch take seconds to import).
     check_stage(run, stage, allow_auto=True)
     check_device(device)
@@ -88,12 +96,18 @@ def worker(
 
     _threads(run)
     result = WorkerNode(run, stage, initial_peers or run.network.initial_peers, role=role.value, device=device,
-                        stats_path=stats, fault=fault).serve()
+                        stats_path=stats, fault=fault, resume_step=resume_step, fresh=fresh,
+                        force=force).serve()
     emit({k: result[k] for k in ("stage", "peer", "step", "forward_samples", "backward_samples", "max_coalesced")},
          as_json, lambda r: stdout.print(f"worker of {r['stage']}: step {r['step']}, {r['backward_samples']} "
                                          f"samples, coalesced up to {r['max_coalesced']}"))
     if result.get("termination"):
         _self_terminated(result["termination"])
+
+
+def _check_store(run, resume_step, fresh: bool, force: bool):
+    """The store's refusals (another run's checkpoints, a missing step), before hivemind is imported."""
+    return resume.plan(run, resume_step=resume_step, fresh=fresh, force=force, apply=False)
 
 
 def _self_terminated(termination: dict) -> None:
@@ -113,19 +127,28 @@ def trainer(
     min_workers: Annotated[int, typer.Option(help="Start once every stage has this many live workers.",
                                              min=1)] = 1,
     stats: StatsOpt = None,
+    resume_step: ResumeStepOpt = None,
+    fresh: FreshOpt = False,
+    force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """One trainer: streams its shards and walks every sample through the pipeline (report §3.3.2) until
-    every stage reached training.max_steps, its data runs out, or Ctrl-C / SIGTERM."""
+    every stage reached training.max_steps, its data runs out, or Ctrl-C / SIGTERM. It reads on from its
+    data position at the step the run resumes from (the newest complete checkpoint, or --resume-step)."""
     from agoractl.runtime.trainer import Trainer
 
     run = load(manifest, set_)
+    check_resume_options(resume_step, fresh)
+    plan = _check_store(run, resume_step, fresh, force)
     if index >= run.trainers.count:
         raise UsageError(f"--index {index}: the ledger has trainers.count = {run.trainers.count} trainers",
                          hint="use an index below trainers.count, or raise trainers.count and rotate-shards")
     _threads(run)
+    from agoractl.training.data_resume import CheckpointPositions
+
+    positions = CheckpointPositions(run, index, plan.binding)
     result = Trainer(run, index, initial_peers or run.network.initial_peers, stats_path=stats,
-                     min_workers=min_workers).train()
+                     min_workers=min_workers, positions=positions, resume_step=plan.step).train()
     emit({k: result[k] for k in ("trainer", "dispatched", "completed", "lost", "finished_reason")}, as_json,
          lambda r: stdout.print(f"trainer {r['trainer']}: {r['completed']} samples completed, {r['lost']} lost "
                                 f"({r['finished_reason']})"))
@@ -133,22 +156,28 @@ def trainer(
 
 @app.command(epilog="Examples:\n\n  agoractl launch swarm manifests/local-cpu.yaml\n\n"
                     "  agoractl launch swarm manifests/local-cpu.yaml --set local.workers_per_stage=2 --json")
-def swarm(manifest: ManifestArg, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
+def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt = None, fresh: FreshOpt = False,
+          force: ForceOpt = False, as_json: JsonOpt = False) -> None:
     """A whole run on this machine: a DHT seed, local.workers_per_stage workers per stage and local.trainers
     trainers, each its own process on loopback. A worker or trainer that exits is started again (up to
     local.max_restarts times); a run without a step for local.stall_timeout_s ends with exit code 3. Shows
     live progress on a terminal, stops every process on exit, error, Ctrl-C (exit 130) or SIGTERM (143),
-    and writes <local.run_dir>/swarm-report.json."""
+    and writes <local.run_dir>/swarm-report.json. Given a store holding this run's checkpoints, it resumes
+    from the newest step complete for every stage (or --resume-step): weights, optimizer state, step and
+    schedule, SPARTA round / FGDiLoCo outer state, trainers' data positions."""
     from agoractl.runtime.swarm import Swarm
 
     run = load(manifest, set_)
+    check_resume_options(resume_step, fresh)
+    _check_store(run, resume_step, fresh, force)  # refusals before anything starts
     if run.model.family == "llama" and run.model.ssn.rank is None:
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
     note(f"swarm: {run.metadata.name}, {len(run.stages)} stages x {run.local.workers_per_stage} workers, "
          f"{run.local.trainers} trainers, {run.training.max_steps} steps of {run.training.global_batch_size} samples")
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
-        report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note).run_swarm()
+        report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note,
+                       resume=(resume_step, fresh, force)).run_swarm()
     emit(report, as_json, _render_swarm)
 
 
@@ -191,6 +220,8 @@ class _Progress:
 
 
 def _render_swarm(r: dict) -> None:
+    if (r.get("resume") or {}).get("action") == "resume":
+        stdout.print(f"resumed from step {r['resume']['step']} ({r['resume']['store']})")
     first = r["loss"][0][1] if r["loss"] else float("nan")
     final = r["final_loss"] if r["final_loss"] is not None else float("nan")
     stdout.print(f"{r['name']}: {r['steps']} steps, {r['tokens']:,} tokens in {r['elapsed_s']:.1f} s "

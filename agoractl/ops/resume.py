@@ -12,7 +12,8 @@ store before it trains (:func:`plan`):
   line saying what is there and how to proceed (exit 2);
 - ``--fresh`` starts over: in an empty store, or with ``--force``, which moves the old checkpoints,
   snapshots and RUN.json aside under ``<store>/aside/<UTC time>/`` (never deletes them);
-- ``--force`` alone adopts a store whose identity differs (loading still checks every tensor).
+- ``--force`` alone resumes from a store whose identity differs or is missing (loading still checks
+  every tensor); RUN.json keeps its owner, so every later launch on it needs ``--force`` too.
 
 :func:`decide` is the pure part (what to do, given what the store holds); :func:`plan` reads the
 store, checks that the chosen checkpoint's files are all there, and moves aside / binds.
@@ -69,6 +70,8 @@ class ResumePlan:
     moved_aside: Optional[str] = None
     forced: bool = False
     identity: dict[str, Any] = field(default_factory=dict)
+    binding: Optional[str] = None
+    """When the store was bound to this run (RUN.json's ``bound``): names this run's other artefacts."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,13 +154,12 @@ def read_identity(store: CheckpointStore) -> Optional[dict[str, Any]]:
         raise RuntimeFailure(f"{url}: not a run identity file", hint="delete it, or pass --force") from None
 
 
-def bind(store: CheckpointStore, here: Mapping[str, Any], previous: Optional[Mapping[str, Any]] = None) -> None:
-    """Record this run as the store's owner (`previous`: the identity it replaced under --force)."""
+def bind(store: CheckpointStore, here: Mapping[str, Any]) -> dict:
+    """Record this run as the store's owner."""
     body = {**here, "fields": list(IDENTITY_FIELDS),
-            "bound": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    if previous:
-        body["replaced"] = dict(previous)
+            "bound": dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds")}
     store._write(store._url(IDENTITY_FILE), (json.dumps(body, indent=2) + "\n").encode())
+    return body
 
 
 def move_aside(store: CheckpointStore) -> str:
@@ -213,7 +215,8 @@ def plan(run: Run, store: Optional[CheckpointStore] = None, stages: Optional[Seq
         if action == "start-over":
             result.moved_aside = move_aside(store)
             there = None
-        if there is None or there.get("hash") != here["hash"] or there.get("name") != here["name"]:
-            bind(store, here, there)
+        if there is None:  # a store adopted with --force keeps its owner's identity (--force each time)
+            there = bind(store, here)
+    result.binding = there.get("bound") if there else None
     return result
 

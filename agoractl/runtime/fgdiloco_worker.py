@@ -32,7 +32,8 @@ class FGDiLoCoNode:
         self.peers = StagePeers(records, worker.name, peer, run.workers.announce_period_s)
         mixing = TransportMixing(averager, lambda: self.peers.live)
         self.rounds = FGDiLoCoRounds(run, worker, mixing, averager.round_deadline_s)
-        self.writes = ReplicaWrites(run, worker, self.names, peer, publisher=self.peers.first_operator)
+        self.writes = ReplicaWrites(run, worker, self.names, peer, publisher=self.peers.first_operator,
+                                    extra_state=lambda: {"fgdiloco": self.rounds.outer_state()})
         worker.step_callbacks.append(lambda step, w: self.writes.on_step(step + 1, w.phase))
         self.join_facts: dict[str, Any] = {"source": "init", "loaded_step": 0}
 

@@ -88,7 +88,8 @@ class Swarm:
 
     def __init__(self, run: Run, manifest: Path, overrides: list[str],
                  on_progress: Optional[Callable[[dict], None]] = None,
-                 on_note: Callable[[str], None] = lambda message: None):
+                 on_note: Callable[[str], None] = lambda message: None,
+                 resume: tuple[Optional[int], bool, bool] = (None, False, False)):
         self.run, self.manifest, self.overrides = run, Path(manifest).resolve(), list(overrides)
         self.on_progress, self.on_note = on_progress, on_note
         self.dir = Path(run.local.run_dir) / "swarm"
@@ -101,11 +102,18 @@ class Swarm:
         self.started_training: Optional[float] = None
         self.supervisor = Supervisor(self)
         self.signals = StopSignals(self.kill_groups)
+        self.resume_options = resume
+        """(--resume-step, --fresh, --force): planned against the store in :meth:`prepare`."""
+        self.resume_plan = None
 
     # -- processes ----------------------------------------------------------------------------
 
     def _argv(self, kind: str, *extra: str) -> list[str]:
         sets = [a for o in self.overrides for a in ("--set", o)]
+        if kind in ("worker", "trainer") and self.resume_plan is not None:  # every node starts where planned
+            step = self.resume_plan.step
+            extra = (*extra, *(("--resume-step", str(step)) if step else ("--fresh",)),
+                     *(("--force",) if self.resume_options[2] and step else ()))
         return [sys.executable, "-m", "agoractl", "launch", kind, str(self.manifest), *sets, *extra]
 
     def _spawn(self, name: str, kind: str, argv: list[str], stage: Optional[str] = None,
@@ -296,6 +304,10 @@ class Swarm:
             raise RuntimeFailure(f"{self.run.data.output}/ledger.json assigns no shards to trainer(s) "
                                  f"{', '.join(map(str, missing))} (it was made for fewer trainers)",
                                  hint="run `agoractl rotate-shards FILE` with this manifest, or shard afresh")
+        from agoractl.ops import resume
+
+        self.resume_plan = resume.plan(self.run, None, None, *self.resume_options)
+        self.on_note(f"swarm: {self.resume_plan.describe()}")
         for sub in ("logs", "nodes"):
             shutil.rmtree(self.dir / sub, ignore_errors=True)
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
@@ -337,6 +349,7 @@ class Swarm:
         report = self.report(fallback_elapsed_s=time.time() - (self.started_training or t_begin),
                              interrupted=interrupted or self.signals.signum is not None)
         report["end_reason"] = self._end_reason(report, failure)
+        report["resume"] = self.resume_plan.as_dict() if self.resume_plan is not None else None
         report["report_path"] = write_report(self.run.local.run_dir, REPORT_FILE, report)
         self.signals.restore()
         if self.signals.signum is not None:
@@ -430,11 +443,11 @@ def _worker_summary(w: dict) -> dict:
     keys = ("peer", "stage", "step", "samples", "backward_samples", "forward_samples", "max_coalesced",
             "role", "phase", "phases", "join", "sparta", "fgdiloco", "termination",
             "coalesced_sum", "batches", "compute_s", "idle_s", "throughput", "first_request", "started", "cpu_s", "cpu_at_ready_s", "cpu_at_first_request_s",
-            "refused", "killed")
+            "refused", "killed", "resumed")
     return {k: w[k] for k in keys if k in w}
 
 
 def _trainer_summary(t: dict) -> dict:
     keys = ("trainer", "peer", "dispatched", "completed", "lost", "lost_at", "first_dispatch", "finished_reason",
-            "cpu_s", "cpu_at_start_s")
+            "cpu_s", "cpu_at_start_s", "resumed", "sequences")
     return {k: t[k] for k in keys if k in t}

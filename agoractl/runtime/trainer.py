@@ -76,6 +76,8 @@ class TrainerStats:
     """Lost samples per (stage, direction), e.g. {"body-1/backward": 1}."""
     loss: dict = field(default_factory=dict)
     """{tail step: [loss sum, samples]}: the loss curve, by the step the tail counted the sample toward."""
+    sequences: list = field(default_factory=list)
+    """[shard, epoch, token offset, tail step] per completed sequence (trainers.record_sequences)."""
     first_dispatch: Optional[float] = None
     last_completion: Optional[float] = None
     finished_reason: str = ""
@@ -85,7 +87,8 @@ class Trainer:
     """One trainer process: DHT client, per-stage balancers, concurrent sample pipelines."""
 
     def __init__(self, run: Run, index: int, initial_peers: Sequence[str], stats_path: Optional[str] = None,
-                 samples: Optional[Iterator[torch.Tensor]] = None, min_workers: int = 1):
+                 samples: Optional[Iterator[torch.Tensor]] = None, min_workers: int = 1,
+                 positions=None, resume_step: int = 0):
         self.run, self.index, self.stats_path = run, index, stats_path
         self.min_workers = max(1, int(min_workers))
         self.stages = run.stage_names()
@@ -93,6 +96,10 @@ class Trainer:
         self.log = logs.get("trainer")
         self.stop = threading.Event()
         self._stream = samples
+        self.positions = positions
+        """Data positions by checkpoint step (:class:`agoractl.training.data_resume.CheckpointPositions`)."""
+        self.resume_step = resume_step
+        self.resumed: dict = {"step": resume_step, "source": "ledger"}
         self.dht = node.start_dht(run, node.require_peers(initial_peers, "trainer"), client_mode=True)
         self.peer = self.dht.peer_id.to_base58()
         self.records = RunRecords(self.dht, run.metadata.name)
@@ -233,7 +240,7 @@ class Trainer:
         self.log.warning("samples lost", stage=stage, direction=direction, samples=n)
         return False
 
-    async def run_sample(self, samples: torch.Tensor) -> bool:
+    async def run_sample(self, samples: torch.Tensor, seq_ids: Optional[list] = None) -> bool:
         """Forward through every stage, the tail's fused loss and backward, then the pinned backward.
 
         `samples`: one sample [seq_len+1] or a microbatch [m, seq_len+1] (trainers.microbatch)."""
@@ -268,6 +275,8 @@ class Trainer:
             if result is None:
                 return self._lose(stage, "backward", n)
             grad = result[1].get("grad")
+        if seq_ids:
+            self.stats.sequences.extend([*i, step] for i in seq_ids)
         return True
 
     # -- the loop -----------------------------------------------------------------------------
@@ -276,23 +285,47 @@ class Trainer:
         if self._stream is None:
             from agoractl.data.stream import trainer_stream
 
-            self._stream = trainer_stream(self.run, self.index)
+            position = None
+            if self.positions is not None:
+                position, source = self.positions.position_for(self.resume_step)
+                self.resumed = {"step": self.resume_step, "source": source}
+                self.log.info("data position", **self.resumed)
+            self._stream = trainer_stream(self.run, self.index, position)
         return self._stream
 
-    def _draw(self) -> Optional[torch.Tensor]:
-        """The next microbatch of trainers.microbatch samples [m, seq_len+1] (fewer at the end of the data)."""
-        drawn = [s for s in (next(self._stream, None) for _ in range(self.t.microbatch)) if s is not None]
-        return torch.stack(drawn) if drawn else None
+    def _draw(self) -> Optional[tuple[torch.Tensor, list]]:
+        """The next microbatch of trainers.microbatch samples [m, seq_len+1] (fewer at the end of the data),
+        and the samples' [shard, epoch, offset] when trainers.record_sequences."""
+        drawn, ids = [], []
+        for _ in range(self.t.microbatch):
+            s = next(self._stream, None)
+            if s is None:
+                break
+            drawn.append(s)
+            h = getattr(self._stream, "holdings", None)
+            if self.t.record_sequences and h:
+                h = h[self._stream.current]
+                ids.append([h.shard, h.epoch, h.consumed - s.shape[0]])
+        return (torch.stack(drawn), ids) if drawn else None
+
+    async def _mark_checkpoint(self) -> None:
+        """Record the data position the first time every stage reached a checkpoint step."""
+        step = self.positions.due(min(self.seen_step.values())) if self.positions is not None else None
+        if step is not None and hasattr(self._stream, "position"):
+            await asyncio.get_running_loop().run_in_executor(self._data_pool, self.positions.record, step,
+                                                             self._stream)
 
     async def _next_samples(self) -> Optional[torch.Tensor]:
         return await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
 
     async def _pipeline(self) -> None:
         while not self.stop.is_set() and not self.finished():
-            batch = await self._next_samples()
-            if batch is None:
+            await self._mark_checkpoint()
+            drawn = await self._next_samples()
+            if drawn is None:
                 self.stats.finished_reason = self.stats.finished_reason or "data exhausted"
                 return
+            batch, seq_ids = drawn
             if self.finished() or self.stop.is_set():
                 return  # drawn but never dispatched: not lost samples
             n = batch.shape[0]
@@ -300,7 +333,7 @@ class Trainer:
             self.stats.first_dispatch = self.stats.first_dispatch or time.time()
             self.in_flight += n
             try:
-                if await self.run_sample(batch):
+                if await self.run_sample(batch, seq_ids):
                     self.stats.completed += n
                     self.stats.last_completion = time.time()
                     self.stall.observe(self.stats.completed, time.monotonic())
@@ -395,6 +428,7 @@ class Trainer:
         finally:
             for task in background:
                 task.cancel()
+        await self._mark_checkpoint()  # the last step's position (the stages finished)
         if self.finished():
             self.stats.finished_reason = "max_steps reached"
         elif self.stop.is_set():
@@ -434,6 +468,7 @@ class Trainer:
 
     def final_stats(self) -> dict:
         return {"kind": "trainer", "trainer": self.index, "peer": self.peer, "pid": os.getpid(),
+                "resumed": self.resumed,
                 **asdict(self.stats),
                 "loss": {str(k): v for k, v in sorted(self.stats.loss.items())},
                 "stages": {s: {**asdict(self.counters[s]), "bans": self.balancers[s].bans,

@@ -73,7 +73,8 @@ class WorkerNode:
 
     def __init__(self, run: Run, stage: str, initial_peers: Sequence[str], role: str = "operator",
                  device: str = "cpu", stats_path: Optional[str] = None, phase: str = "active",
-                 fault: Optional[str] = None):
+                 fault: Optional[str] = None, resume_step: Optional[int] = None, fresh: bool = False,
+                 force: bool = False):
         if role not in ("operator", "contributor"):
             raise UsageError(f"--role {role}: choose operator or contributor")
         if fault is not None and fault not in FAULTS:
@@ -98,9 +99,22 @@ class WorkerNode:
         self.stage = stage
         index = run.stage_names().index(stage)
         joined_at = max([0, *(p.step for p in self.records.stage_progress(stage).values())])
+        self.resumed = None
+        """A stage not running yet starts from the store (the run restarts: agoractl.training.stage_resume)."""
         if joined_at:
             self.log.info("joining a running stage", stage=stage, step=joined_at)
-        self.worker = Worker(run, index, device, step=joined_at, phase=phase, role=role)
+        else:
+            from agoractl.training.stage_resume import resume_stage
+
+            try:
+                self.resumed = resume_stage(run, stage, resume_step, fresh, force)
+            except BaseException:
+                node.shutdown_dht(self.dht)
+                raise
+            self.log.info("stage state", stage=stage, **self.resumed.facts())
+        self.worker = Worker(run, index, device, step=joined_at or self.resumed.step, phase=phase, role=role)
+        if self.resumed is not None:
+            self.resumed.apply(self.worker)
         self.worker.fault = fault
         if fault:
             self.log.warning("fault drill: this worker's outputs are wrong on purpose", fault=fault)
@@ -116,6 +130,10 @@ class WorkerNode:
             else:  # fgdiloco: outer rounds, joining state
                 self.data_parallel = FGDiLoCoNode(run, self.worker, averager, self.records, self.peer)
             self.data_parallel.join(joined_at)
+            if self.resumed is not None and isinstance(self.data_parallel, FGDiLoCoNode):
+                self.data_parallel.rounds.restore(self.resumed.outer_state(), self.resumed.step)
+        if self.data_parallel is not None and self.resumed is not None and self.resumed.checkpoint is not None:
+            self.data_parallel.join_facts = self.resumed.facts()
         self.started = time.time()
         self.cpu_at_ready: dict = {}
         self.cpu_at_first_request: Optional[dict] = None
@@ -324,4 +342,5 @@ class WorkerNode:
                 "phase": self.worker.phase, "role": self.worker.role, "step": self.worker.progress.step,
                 "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats),
                 "termination": self.termination.as_dict() if self.termination else None,
+                "resumed": self.resumed.facts() if self.resumed is not None else None,
                 **(self.data_parallel.summary() if self.data_parallel is not None else {})}

@@ -133,8 +133,27 @@ class FGDiLoCoRounds:
 
     def start(self, stage_step: int) -> None:
         """Begin the current round if the worker starts on a round boundary (else at the next one)."""
+        if self.round is not None:  # restored mid-round from a checkpoint
+            return
         if stage_step % self.inner_steps == 0 and stage_step < self.run.training.max_steps:
             self.begin(stage_step // self.inner_steps)
+
+    def outer_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the outer loop: the round, its start parameters z, the momentum."""
+        return {"round": self.round, "z": None if self.z is None else self.z.clone(),
+                "buffer": None if self.outer.buffer is None else self.outer.buffer.clone()}
+
+    def restore(self, state: Optional[dict], stage_step: int) -> None:
+        """Continue the outer loop from a checkpoint's :meth:`outer_state` (a run resuming at `stage_step`).
+        Mid-round, the round's Mix1 is not redone: every replica resumes from the same checkpoint, so the
+        z they would mix are identical."""
+        if not state:
+            return
+        self.outer.load_state_dict({"buffer": state.get("buffer")})
+        if state.get("round") is not None and state.get("z") is not None and stage_step % self.inner_steps:
+            self.round, self.z = int(state["round"]), state["z"].float().clone()
+            self.mix1 = Unmixed(self.z, {"round": 2 * self.round, "status": "skipped", "kind": self.kind1,
+                                         "error": "resumed mid-round from a checkpoint"})
 
     def begin(self, r: int) -> None:
         self.round, self.z = r, self.flat()

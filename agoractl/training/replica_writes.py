@@ -24,10 +24,13 @@ class ReplicaWrites:
     """Snapshots and operator checkpoints of one worker (`names` order its master tensors)."""
 
     def __init__(self, run: Run, worker, names: list[str], peer: str,
-                 publisher: Callable[[], bool] = lambda: True):
+                 publisher: Callable[[], bool] = lambda: True,
+                 extra_state: Optional[Callable[[], dict]] = None):
         c = run.checkpoints
         self.run, self.worker, self.names, self.peer = run, worker, names, peer
         self.publisher = publisher
+        self.extra_state = extra_state
+        """More state for the checkpoint's optimizer file (e.g. FGDiLoCo's outer loop), merged at its top level."""
         self.store = CheckpointStore(run) if (c.snapshots_every_steps or c.every_steps) else None
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-io")
         self.log = logs.get("replica-writes")
@@ -46,6 +49,8 @@ class ReplicaWrites:
                            self._state(), info)
         if self.worker.role == "operator" and phase == "active" and due(step, c.every_steps) and self.publisher():
             opt = copy.deepcopy(self.worker.optimizer.state_dict())
+            if self.extra_state is not None:
+                opt.update(self.extra_state())
             self.io.submit(self._write, "checkpoint", self.store.publish, self.worker.name, step, self._state(), opt,
                            {"peer": self.peer})
 
