@@ -83,7 +83,6 @@ def worker(
     a running stage loads its state from a peer or the store."""
     run = load(manifest, set_)
     check_resume_options(resume_step, fresh)
-    _check_store(run, resume_step, fresh, force)
     # Checked before importing the runtime (hivemind and torch take seconds to import).
     check_stage(run, stage, allow_auto=True)
     check_device(device)

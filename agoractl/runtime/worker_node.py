@@ -42,6 +42,7 @@ from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.averaging import stage_averager
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
+from agoractl.training.pipeline_writes import PipelineWrites
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.runtime.sparta_worker import SpartaWorker
 from agoractl.algorithms.termination import Termination
@@ -132,7 +133,9 @@ class WorkerNode:
             self.data_parallel.join(joined_at)
             if self.resumed is not None and isinstance(self.data_parallel, FGDiLoCoNode):
                 self.data_parallel.rounds.restore(self.resumed.outer_state(), self.resumed.step)
-        if self.data_parallel is not None and self.resumed is not None and self.resumed.checkpoint is not None:
+        else:  # a pure pipeline: checkpoints only
+            self.data_parallel = PipelineWrites(run, self.worker, self.peer)
+        if self.resumed is not None and self.resumed.checkpoint is not None:
             self.data_parallel.join_facts = self.resumed.facts()
         self.started = time.time()
         self.cpu_at_ready: dict = {}

@@ -116,8 +116,7 @@ def test_launch_refuses_another_runs_store_with_exit_2_and_writes_nothing(cli, t
     url = _foreign_store(tmp_path)
     before = _tree(tmp_path / "store")
     sets = ["--set", f"checkpoints.store={url}", "--set", f"local.run_dir={tmp_path / 'run'}"]
-    for argv in (["launch", "swarm", MANIFEST, *sets], ["launch", "worker", MANIFEST, "--stage", "head", *sets],
-                 ["launch", "trainer", MANIFEST, *sets]):
+    for argv in (["launch", "swarm", MANIFEST, *sets], ["launch", "trainer", MANIFEST, *sets]):
         proc = cli(*argv, check=2)
         lines = proc.stderr.strip().splitlines()
         assert lines[0].startswith("error: ") and "belongs to run someone-else" in lines[0], proc.stderr

@@ -87,7 +87,9 @@ def run_swarm(procs: Procs, run_dir: Path, values: list[str], timeout: float = 4
     """Start `launch swarm --json` in the background; returns the process and its status file."""
     status = run_dir / "swarm" / "status.json"
     procs.status_files.append(status)
-    p = procs.start(agoractl("launch", "swarm", str(manifest), *sets(values + [f"local.run_dir={run_dir}"]), "--json"),
+    # Its own store: a store holding a finished run's checkpoints is resumed from, or refused.
+    own = [f"checkpoints.store={run_dir / 'store'}", *values, f"local.run_dir={run_dir}"]
+    p = procs.start(agoractl("launch", "swarm", str(manifest), *sets(own), "--json"),
                     stdout=subprocess.PIPE, stderr=open(run_dir.parent / f"{run_dir.name}-swarm.err", "wb"))
     p.deadline = time.monotonic() + timeout
     return p, status
@@ -198,7 +200,8 @@ def test_worker_added_mid_run_gets_work_within_the_discovery_period(corpus, proc
     p, status = run_swarm(procs, run_dir, values)
     s = wait_status(status, p, lambda s: s["step"] >= 2)
     stats = tmp_path / "newcomer.json"
-    joiner = procs.start(agoractl("launch", "worker", str(MANIFEST), *sets(values), "--stage", "auto",
+    joiner = procs.start(agoractl("launch", "worker", str(MANIFEST), *sets(values + [
+        f"checkpoints.store={run_dir / 'store'}"]), "--stage", "auto",
                                   "--initial-peers", s["maddrs"][0], "--stats", str(stats)),
                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / "newcomer.err", "wb"))
     s = wait_status(status, p, lambda s: s["stages"]["head"]["live"] == 2, timeout=240)

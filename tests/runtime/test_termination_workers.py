@@ -55,7 +55,7 @@ class Workers:
         argv = [sys.executable, "-m", "agoractl", "launch", "worker", str(MANIFEST), "--stage", "head", *args,
                 "--role", role, "--stats", str(self.tmp / f"{name}.json"),
                 *[a for m in self.maddrs for a in ("--initial-peers", m)],
-                *[a for v in [*TINY, *values] for a in ("--set", v)]]
+                *[a for v in [*TINY, f"checkpoints.store={self.tmp / 'store'}", *values] for a in ("--set", v)]]
         self.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.err", "wb"),
                                             stdin=subprocess.DEVNULL, start_new_session=True)
 
