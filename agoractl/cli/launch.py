@@ -14,6 +14,7 @@ from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load
 from agoractl.cli.output import emit, note, stdout
 from agoractl.data.index import read_index
 from agoractl.errors import UsageError
+from agoractl.training.central_resume import CentralCheckpoints
 
 ResumeStepOpt = Annotated[Optional[int], typer.Option(
     "--resume-step", help="Resume from the checkpoint at this step (default: the latest complete one).", min=1,
@@ -70,8 +71,6 @@ def central(
                          hint="use a manifest with model.family: llama")
     check_device(device, allow_auto=True)
     read_index(run.data.output)  # a missing shard index: one line, before torch is imported
-    from agoractl.training.central_resume import CentralCheckpoints
-
     checkpoints = CentralCheckpoints(run, resume_step, fresh, force)  # refusals before torch, too
     import torch
 
