@@ -8,6 +8,8 @@ store before it trains (:func:`plan`):
 - an empty store (no checkpoint): start at step 0 and bind the store to this run;
 - this run's checkpoints: resume from the newest step complete for **every** stage (a stage
   whose publisher was killed mid-write falls back with the others), or ``--resume-step N``;
+- checkpoint directories past the resumed step (complete for some stages only, or half-written by a
+  killed publisher: the abandoned trajectory) are moved aside too, so the resumed run writes its own;
 - another run's checkpoints, or this run's at or beyond ``training.max_steps``: refused with one
   line saying what is there and how to proceed (exit 2);
 - ``--fresh`` starts over: in an empty store, or with ``--force``, which moves the old checkpoints,
@@ -30,7 +32,7 @@ from typing import Any, Mapping, Optional, Sequence
 from agoractl import storage
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
-from agoractl.ops.checkpoint import CheckpointStore, step_dir
+from agoractl.ops.checkpoint import LATEST, STEP_RE, CheckpointStore, step_dir
 
 IDENTITY_FILE = "RUN.json"
 ASIDE_DIR = "aside"
@@ -78,7 +80,8 @@ class ResumePlan:
 
     def describe(self) -> str:
         if self.action == "resume":
-            return f"resuming from step {self.step} (checkpoints in {self.store})"
+            later = f"; later, incomplete steps moved to {self.moved_aside}" if self.moved_aside else ""
+            return f"resuming from step {self.step} (checkpoints in {self.store}){later}"
         if self.action == "start-over":
             return f"starting over at step 0; the old checkpoints are under {self.moved_aside}"
         return f"starting at step 0 (no checkpoint in {self.store})"
@@ -176,6 +179,29 @@ def move_aside(store: CheckpointStore) -> str:
     return store._url(ASIDE_DIR, stamp)
 
 
+def set_aside_later(store: CheckpointStore, stages: Sequence[str], step: int) -> Optional[str]:
+    """Move every checkpoint directory of `stages` past `step` (complete or not: the abandoned trajectory
+    of a run resumed from `step`) under aside/<UTC time>/ and point LATEST at `step`; returns the
+    prefix's URL, or None when there was nothing to move. The resumed run then publishes those steps
+    afresh (a publisher keeps a complete checkpoint it finds at its step)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    moved = False
+    for stage in stages:
+        later = [n for n in store._ls("checkpoints", stage) if STEP_RE.match(n) and int(n[5:]) > step]
+        for name in later:
+            dest = storage.join(store.root, ASIDE_DIR, stamp, "checkpoints", stage)
+            with store._errors(store._url("checkpoints", stage, name)):
+                store.fs.makedirs(dest, exist_ok=True)
+                store.fs.mv(storage.join(store.root, "checkpoints", stage, name), storage.join(dest, name),
+                            recursive=True)
+            moved = True
+        if later:
+            store._write(store._url("checkpoints", stage, LATEST), (step_dir(step) + "\n").encode())
+    if moved:
+        store.fs.invalidate_cache()
+    return store._url(ASIDE_DIR, stamp) if moved else None
+
+
 def check_files(store: CheckpointStore, stage: str, step: int) -> None:
     """Every file the checkpoint's meta.json lists is present with its recorded size (exit 1 if not)."""
     meta = store.meta(stage, step)
@@ -215,6 +241,8 @@ def plan(run: Run, store: Optional[CheckpointStore] = None, stages: Optional[Seq
         if action == "start-over":
             result.moved_aside = move_aside(store)
             there = None
+        elif action == "resume":
+            result.moved_aside = set_aside_later(store, stages, step)
         if there is None:  # a store adopted with --force keeps its owner's identity (--force each time)
             there = bind(store, here)
     result.binding = there.get("bound") if there else None

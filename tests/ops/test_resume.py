@@ -100,6 +100,23 @@ def test_plan_binds_checks_files_and_moves_aside(tmp_path):
     assert json.loads((tmp_path / "store" / "RUN.json").read_text())["name"] == "other"
 
 
+def test_resume_sets_the_abandoned_later_steps_aside(tmp_path):
+    url = str(tmp_path / "store")
+    run = load_manifest(MANIFEST, [f"checkpoints.store={url}"])
+    resume.plan(run)
+    _publish(url, run, run.stage_names(), 20)
+    _publish(url, run, ["head", "body-1"], 40)  # the tail's publisher was killed before its step 40
+    (tmp_path / "store/checkpoints/tail/step-00000040").mkdir()  # ... leaving a directory without meta.json
+    p = resume.plan(run)
+    assert (p.step, p.action) == (20, "resume") and p.moved_aside and "moved" in p.describe()
+    for stage in ("head", "body-1", "tail"):
+        assert CheckpointStore(url, 3).latest_step(stage) == 20
+        assert not (tmp_path / "store/checkpoints" / stage / "step-00000040").exists()
+        assert (tmp_path / "store/aside").glob(f"*/checkpoints/{stage}/step-00000040")
+    assert len(list((tmp_path / "store/aside").glob("*/checkpoints/*/step-00000040/meta.json"))) == 2
+    assert resume.plan(run).moved_aside is None  # nothing left to move
+
+
 def _foreign_store(tmp_path):
     url = str(tmp_path / "store")
     other = load_manifest(MANIFEST, [f"checkpoints.store={url}", "metadata.name=someone-else"])
