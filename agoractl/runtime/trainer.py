@@ -312,8 +312,12 @@ class Trainer:
         """Record the data position the first time every stage reached a checkpoint step."""
         step = self.positions.due(min(self.seen_step.values())) if self.positions is not None else None
         if step is not None and hasattr(self._stream, "position"):
-            await asyncio.get_running_loop().run_in_executor(self._data_pool, self.positions.record, step,
-                                                             self._stream)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._data_pool, self.positions.record, step,
+                                                                 self._stream)
+            except Exception as e:  # a resume would fall back to the last report; training goes on
+                self.positions.last = max(self.positions.last, step)
+                self.log.warning("data position not recorded", step=step, error=f"{type(e).__name__}: {e}")
 
     async def _next_samples(self) -> Optional[torch.Tensor]:
         return await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
