@@ -7,7 +7,7 @@ for every stage, or ``--resume-step``; refusals for another run's store) and loa
 checkpoint at that step: weights, AdamW moments and step counter (the schedule's learning rate
 follows the step). The SPARTA round follows from the step too; FGDiLoCo's outer state (round, the
 round's start parameters z, the outer momentum) travels in the checkpoint's optimizer state under
-``fgdiloco`` (:meth:`agoractl.runtime.fgdiloco_worker.FGDiLoCoWorker.outer_state`).
+``fgdiloco`` (:meth:`agoractl.training.fgdiloco_rounds.FGDiLoCoRounds.outer_state`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from agoractl.manifest.loader import load_manifest
 from agoractl.ops import resume
 from agoractl.ops.checkpoint import CheckpointStore
-from agoractl.runtime.fgdiloco_worker import FGDiLoCoWorker, Unmixed
+from agoractl.training.fgdiloco_rounds import FGDiLoCoRounds, Unmixed
 from agoractl.training.stage_resume import resume_stage
 from agoractl.training.worker import Worker
 from tests.conftest import MANIFESTS
@@ -26,7 +26,7 @@ def test_stage_state_and_fgdiloco_outer_state_resume_exactly(tmp_path):
     run = load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", [
         f"checkpoints.store={tmp_path / 'store'}", "training.max_steps=40", "data_parallel.fgdiloco.inner_steps=4"])
     w = Worker(run, 0)
-    fg = FGDiLoCoWorker(run, w, Alone())
+    fg = FGDiLoCoRounds(run, w, Alone())
     fg.begin(2)  # round 2 started at step 8; the checkpoint falls mid-round, at step 10
     with torch.no_grad():
         for p in w.master:
@@ -48,7 +48,7 @@ def test_stage_state_and_fgdiloco_outer_state_resume_exactly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(w.master, w2.master))
     moments = w.optimizer.state_dict()["state"]
     assert all(torch.equal(moments[k]["exp_avg"], v["exp_avg"]) for k, v in w2.optimizer.state_dict()["state"].items())
-    fg2 = FGDiLoCoWorker(run, w2, Alone())
+    fg2 = FGDiLoCoRounds(run, w2, Alone())
     fg2.restore(resumed.outer_state(), resumed.step)
     fg2.start(resumed.step)  # mid-round: the restored round goes on, no new one begins
     assert fg2.round == 2 and torch.equal(fg2.z, fg.z) and torch.equal(fg2.outer.buffer, fg.outer.buffer)
