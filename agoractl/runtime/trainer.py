@@ -287,7 +287,12 @@ class Trainer:
 
             position = None
             if self.positions is not None:
-                position, source = self.positions.position_for(self.resume_step)
+                try:  # a trainer restarted in a running swarm reads on; it does not go back to the checkpoint
+                    running = any(p.step > self.resume_step for s in self.stages
+                                  for p in self.records.stage_progress(s).values())
+                except Exception:
+                    running = False
+                position, source = self.positions.position_for(self.resume_step, running)
                 self.resumed = {"step": self.resume_step, "source": source}
                 self.log.info("data position", **self.resumed)
             self._stream = trainer_stream(self.run, self.index, position)

@@ -62,13 +62,14 @@ class CheckpointPositions:
         body = {"trainer": self.trainer, "binding": self.binding, "positions": self.positions}
         remote.write_bytes(self.url, (json.dumps(body) + "\n").encode())
 
-    def position_for(self, step: int) -> tuple[Optional[dict], str]:
+    def position_for(self, step: int, running: bool = False) -> tuple[Optional[dict], str]:
         """(position, source) to resume at checkpoint `step`: the recorded one; else the trainer's last
         consumption report (later than the checkpoint: the sequences between are skipped); else None
-        (the ledger's consumption counts)."""
-        if step <= 0:
+        (the ledger's consumption counts). `running`: the stages are already past `step` (a trainer
+        restarted in a running swarm): it reads on from its last report instead of going back."""
+        if step <= 0 and not running:
             return None, "ledger"
-        if str(step) in self.positions:
+        if str(step) in self.positions and not running:
             return self.positions[str(step)], "checkpoint"
         for report in read_progress(self.run.data.output) if self.same_run else []:
             if report.get("trainer") == self.trainer and report.get("position"):

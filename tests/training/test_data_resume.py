@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from agoractl.data.stream import trainer_stream
+from agoractl.data.stream import report_progress, trainer_stream
 from agoractl.manifest.loader import load_manifest
 from agoractl.training.data_resume import CheckpointPositions
 from tests.conftest import MANIFESTS, private_shards
@@ -32,6 +32,9 @@ def test_recorded_position_resumes_the_stream_exactly(tmp_path, sample_shards):
     resumed = list(itertools.islice(trainer_stream(run, 0, position), 5))
     assert all(torch.equal(a, b) for a, b in zip(resumed, after))
     assert not any(torch.equal(r, b) for r in resumed for b in before)
+
+    report_progress(run, 0, stream)  # a trainer restarted while the stages are past step 4 reads on
+    assert again.position_for(4, running=True) == (stream.position(), "last report")
 
     other = CheckpointPositions(run, 0, binding="b2")  # the store was rebound: a new run
     assert other.position_for(4) == (None, "ledger") and other.due(4) == 4
