@@ -40,10 +40,11 @@ def sets(values) -> list[str]:
     return [a for v in values for a in ("--set", v)]
 
 
-def assert_export_matches(values: list[str], model: torch.nn.Module, to: Path, *extra: str) -> Path:
+def assert_export_matches(values: list[str], model: torch.nn.Module, to: Path, *extra: str,
+                          manifest: Path = MANIFEST) -> Path:
     """`agoractl export` with `values`, then transformers' model gives `model`'s next-token logits
     (max abs difference <= 1e-4, fp32) and its greedy continuation of 32 tokens."""
-    agoractl("export", str(MANIFEST), *sets(values), "--to", str(to), *extra)
+    agoractl("export", str(manifest), *sets(values), "--to", str(to), *extra)
     hf = load_exported(to)
     from transformers import AutoTokenizer
 
@@ -71,7 +72,7 @@ def corpus(sample_shards, tmp_path_factory):
 
 def _central(corpus: list[str], tmp: Path, rank: str) -> tuple[list[str], Path]:
     """`launch central` (3 steps) and `export --from central`; the values and the exported directory."""
-    values = corpus + TINY + [f"model.ssn.rank={rank}", f"local.run_dir={tmp / 'run'}"]
+    values = corpus + TINY + [f"model.ssn.rank={rank}", f"local.run_dir={tmp / 'run'}", f"checkpoints.store={tmp / 'store'}"]
     agoractl("launch", "central", str(MANIFEST), *sets(values), "--json")
     run = load_manifest(MANIFEST, values)
     step, state = state_from_central(run)

@@ -1,6 +1,9 @@
 """FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker): ``launch swarm`` of
 ``manifests/fgdiloco-local-cpu.yaml``, 2 stages x 2 workers: outer rounds complete over hivemind and
 the loss falls. The outer rounds' maths in one process: tests/training/test_fgdiloco_rounds.py.
+
+The swarm runs with dense boundaries (``model.ssn.rank: null``) and publishes stage checkpoints, so it
+also serves the export check for a dense-boundary swarm (the SSN one is the SPARTA scenario's).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
         "model.seq_len=64", "training.max_steps=16", "training.schedule.warmup_steps=2",
         "data_parallel.fgdiloco.inner_steps=4", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
         "trainers.request_timeout_s=30", "network.startup_timeout_s=90", "data_parallel.fgdiloco.matchmaking_timeout_s=10",
-        f"local.run_dir={run_dir}", f"checkpoints.store={tmp_path / 'store'}"]
+        f"local.run_dir={run_dir}", f"checkpoints.store={tmp_path / 'store'}",
+        "model.ssn.rank=null", "checkpoints.every_steps=8"]
     p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-local-cpu.yaml")
     report = finish(p, run_dir)
     assert report["steps"] == 16 and report["samples_lost"] == 0
@@ -27,3 +31,22 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
     for name, stage in by_stage(report).items():
         assert stage["outer_rounds"] == 4, stage  # 16 steps / H = 4
         assert stage["mix2_success_mean"] is not None and stage["mix2_success_mean"] > 0.8, stage
+    _export_matches(values, tmp_path / "hf")
+
+
+def _export_matches(values: list[str], to) -> None:
+    """`agoractl export` of the swarm's store (dense boundaries) gives the stages' own logits and greedy
+    continuation through transformers."""
+    from agoractl.manifest.loader import load_manifest
+    from agoractl.model.build import build_model
+    from agoractl.ops.checkpoint import CheckpointStore
+    from tests.ops.test_export import assert_export_matches
+
+    manifest = MANIFESTS / "fgdiloco-local-cpu.yaml"
+    run = load_manifest(manifest, values)
+    store = CheckpointStore(run)
+    common = sorted(set.intersection(*(set(store.steps(s)) for s in run.stage_names())))
+    assert common, {s: store.steps(s) for s in run.stage_names()}
+    model = build_model(run)
+    model.load_state_dict({k: v for s in run.stage_names() for k, v in store.load(s, common[-1]).model_state.items()})
+    assert_export_matches(values, model, to, "--step", str(common[-1]), manifest=manifest)
