@@ -22,9 +22,9 @@ class Source(str, enum.Enum):
 
 SourceOpt = Annotated[Source, typer.Option(
     "--from", help="store: every stage's checkpoint at one step from checkpoints.store (a swarm); central: "
-                   "the final weights of `launch central` in local.run_dir.")]
+                   "the checkpoint `launch central` keeps in <checkpoints.store>/central.")]
 StepOpt = Annotated[Optional[int], typer.Option(
-    "--step", help="Checkpoint step every stage has (default: the stages' common latest).", show_default=False)]
+    "--step", help="Checkpoint step (every stage must have it; default: the latest).", show_default=False)]
 
 
 def export(
@@ -46,9 +46,7 @@ def export(
     ex.check_exportable(run)
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise UsageError(f"--to {to}: exists and is not an empty directory", hint="choose a new directory")
-    if source is Source.central and step is not None:
-        raise UsageError("--step applies to --from store; the central run has one final model")
-    got_step, state = ex.state_from_store(run, step) if source is Source.store else ex.state_from_central(run)
+    got_step, state = ex.state_from_store(run, step) if source is Source.store else ex.state_from_central(run, step)
     path = ex.write_export(run, state, got_step, to, source.value)
     result = {"to": str(path), "step": got_step, "source": source.value, "ssn_rank": run.model.ssn.rank,
               "files": sorted(p.name for p in path.iterdir())}

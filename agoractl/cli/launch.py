@@ -9,7 +9,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from agoractl import storage
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load
 from agoractl.cli.output import emit, note, stdout
 from agoractl.data.index import read_index
@@ -96,10 +95,7 @@ def central(
             note(f"step {s['step'] + 1}/{run.training.max_steps}  loss {s['loss']:.4f}  lr {s['lr']:.2e}  "
                  f"{s['tokens_per_s']:.0f} tok/s  grad norm {norms}")
 
-    from agoractl.ops.export import CENTRAL_MODEL
-
-    report = train_central(run, samples, dev, microbatch, progress,
-                           model_url=storage.join(run.local.run_dir, CENTRAL_MODEL), resume=checkpoints.load(),
+    report = train_central(run, samples, dev, microbatch, progress, resume=checkpoints.load(),
                            until=until_step, on_checkpoint=checkpoints.save if checkpoints.enabled else None)
     report["resume"] = checkpoints.plan.as_dict()
     path = write_report(run.local.run_dir, "central-report.json", report)

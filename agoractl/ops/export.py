@@ -1,7 +1,7 @@
 """A trained run as a Hugging Face ``LlamaForCausalLM`` directory (report §4.1, §3.6.4).
 
 The source is the run's global state dict — every stage's checkpoint at one step from
-``checkpoints.store`` (a swarm), or the final weights ``launch central`` writes — under agoractl's
+``checkpoints.store`` (a swarm), or the central run's checkpoint in ``<store>/central`` — under agoractl's
 global names (``blocks.6.attn.wq.weight``). The reparameterized SSN is folded into dense matrices:
 an output projection ``W = Z U_kᵀ`` (agoractl keeps ``Zᵀ``, so ``W = U_k · weight``, d × in) and the
 token embedding ``T_fixed + E U_kᵀ``; ``U_k`` and ``T_fixed`` are rebuilt from ``model.ssn.seed``
@@ -26,15 +26,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from agoractl import storage
 from agoractl.data.tokenizers import BYTES_EOS
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.model.subspace import fixed_token_embedding, orthonormal_basis
+from agoractl.ops import resume
 from agoractl.ops.checkpoint import CheckpointStore
-
-CENTRAL_MODEL = "central-model.safetensors"
-"""The final weights of ``launch central``, under ``local.run_dir`` (global names)."""
 
 EOS_TOKEN = "<|endoftext|>"
 _BLOCK = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
@@ -130,22 +127,15 @@ def state_from_store(run: Run, step: Optional[int] = None) -> tuple[int, dict[st
     return step, state
 
 
-def state_from_central(run: Run) -> tuple[int, dict[str, torch.Tensor]]:
-    """The final weights ``launch central`` wrote, and its step count (from its report)."""
-    url = storage.join(run.local.run_dir, CENTRAL_MODEL)
-    fs, path = storage.filesystem(url)
-    if not fs.exists(path):
-        raise RuntimeFailure(f"{url}: no central model", hint="run `agoractl launch central FILE` first")
-    with fs.open(path, "rb") as f:
-        data = f.read()
-    state = safetensors.torch.load(data)
-    step = int(json.loads(_safetensors_metadata(data)).get("step", 0))
-    return step, state
-
-
-def _safetensors_metadata(data: bytes) -> str:
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-    return json.dumps(header.get("__metadata__", {}))
+def state_from_central(run: Run, step: Optional[int] = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """The centralized reference's checkpoint (``<checkpoints.store>/central``, written by ``launch
+    central`` every ``checkpoints.every_steps`` and after its last step): `step`, or its latest."""
+    store = resume.central_store(run)
+    if not store.steps(resume.CENTRAL_STAGE):
+        raise RuntimeFailure(f"{store.url}: no checkpoint of the central run",
+                             hint="run `agoractl launch central FILE` with checkpoints.every_steps > 0 first")
+    step = store.resolve(resume.CENTRAL_STAGE, step)
+    return step, store.load(resume.CENTRAL_STAGE, step).model_state
 
 
 def bytes_tokenizer_json() -> str:

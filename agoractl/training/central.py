@@ -14,10 +14,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Optional
 
-import safetensors.torch
 import torch
 
-from agoractl import storage
 from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
 from agoractl.model.build import build_model, count_module, stage_parameter_names
@@ -60,11 +58,10 @@ def batches(samples: Iterator[torch.Tensor], size: int) -> Iterator[torch.Tensor
 
 def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.device | str = "cpu",
                   microbatch: Optional[int] = None, on_step: Optional[StepCallback] = None,
-                  model_url: Optional[str] = None, resume: Optional[Checkpoint] = None,
+                  resume: Optional[Checkpoint] = None,
                   until: Optional[int] = None, on_checkpoint: Optional[CheckpointCallback] = None) -> dict:
     """Train the monolithic model for training.max_steps steps (fewer if `samples` runs out, or up to
-    step `until`) and return the run report (see :mod:`agoractl.training.report`); with `model_url`, the
-    final weights are written there (safetensors, global names, the step count in its metadata) for export.
+    step `until`) and return the run report (see :mod:`agoractl.training.report`).
 
     `resume`: the checkpoint to continue from (weights and AdamW state; the schedule follows the step);
     `samples` must then start where that checkpoint's run stopped drawing. `on_checkpoint(step, model,
@@ -119,9 +116,6 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
                              f"{batch_size} samples of {seq_len + 1} tokens)",
                              hint="shard a larger corpus, or lower training.global_batch_size")
     trainable, _ = count_module(model)
-    if model_url is not None:
-        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-        storage.write_bytes_atomic(model_url, safetensors.torch.save(state, metadata={"step": str(step)}))
     return run_report(
         mode="central", name=run.metadata.name, steps=step - first, tokens=(step - first) * batch_size * seq_len,
         elapsed_s=elapsed, loss=losses,
