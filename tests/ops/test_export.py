@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ TINY = ["training.global_batch_size=4", "training.max_steps=3", "training.schedu
 
 def agoractl(*args: str, check: int | None = 0, env: dict | None = None) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "agoractl", *args], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **OFFLINE, **(env or {})})
+                         env={**os.environ, **OFFLINE, **(env or {})}, cwd=tempfile.mkdtemp(prefix="export-cwd-"))
     if check is not None:
         assert out.returncode == check, out.stderr[-3000:]
     return out
