@@ -29,5 +29,6 @@ def place(slots: list[StageSlot], allowed: list[str], capable: bool) -> Optional
         return None
     fewest = min(s.workers for s in open_)
     ties = [s for s in open_ if s.workers == fewest]
-    pick = max if capable else min
-    return pick(ties, key=lambda s: (s.layers, -slots.index(s))).name
+    if capable:
+        return max(ties, key=lambda s: (s.layers, -slots.index(s))).name
+    return min(ties, key=lambda s: (s.layers, slots.index(s))).name

@@ -91,10 +91,14 @@ class RedisState:
             raise RuntimeFailure(f"AGORA_REDIS_URL {url}: {e}",
                                  hint="check the URL (redis://host:6379/0) and that Redis is running") from None
         self.p = prefix
+        self._local = threading.Lock()
 
     @contextlib.contextmanager
     def admission_lock(self) -> Iterator[None]:
-        with self.r.lock(self.p + "admit", timeout=30, blocking_timeout=60, thread_local=False):
+        """This process's threads queue on a local lock; one at a time then takes the Redis lock (shared with
+        other Authorizer processes on the same prefix)."""
+        with self._local, self.r.lock(self.p + "admit", timeout=30, sleep=0.005, blocking_timeout=60,
+                                      thread_local=False):
             yield
 
     def now(self) -> float:

@@ -68,7 +68,9 @@ class Authorizer:
                 return self._refuse(s, nid, *refusal)
             node = s.get(Node, nid)
             if node is not None and node.status == "admitted" and node.peer_id == req["peer_id"]:
-                return 200, self._admitted_body(node, self._credential(s, node, policy))
+                token = self._credential(s, node, policy)
+                s.commit()
+                return 200, self._admitted_body(node, token)
             now = self.live.now()
             if node is None or node.status != "queued":
                 node = s.merge(Node(node_id=nid, account=req["account"], operator=operator, role=req["role"],
@@ -133,7 +135,6 @@ class Authorizer:
         s.add(row)
         s.flush()
         node.serial, node.expires_at = row.serial, row.expires_at
-        s.commit()
         return credential.issue(self.key, run=self.run.metadata.name, node_id=node.node_id, account=node.account,
                                 role=node.role, stage=node.stage or "", peer_id=node.peer_id,
                                 ttl_s=policy.credential_ttl_s, serial=row.serial, operator=node.operator, now=now)
@@ -153,7 +154,9 @@ class Authorizer:
             if node is None or node.status != "admitted" or node.serial != cred.serial:
                 return self._refuse(s, cred.node_id, "invalid_token", "renewal: not the node's current credential")
             node.step = max(node.step, int(step))
-            return 200, self._admitted_body(node, self._credential(s, node, self.policy()))
+            token = self._credential(s, node, self.policy())
+            s.commit()
+            return 200, self._admitted_body(node, token)
 
     def leave(self, node_id: str) -> None:
         with self.live.admission_lock(), Session(self.engine) as s:
@@ -207,8 +210,9 @@ class Authorizer:
     # -- helpers --------------------------------------------------------------------------------------
     def _sweep(self, s: Session, now: float) -> None:
         """Admitted nodes whose credential ran out unrenewed free their slot."""
-        s.execute(update(Node).where(Node.status == "admitted", Node.expires_at < now).values(status="expired"))
-        s.commit()
+        if s.execute(update(Node).where(Node.status == "admitted", Node.expires_at < now)
+                     .values(status="expired")).rowcount:
+            s.commit()
 
     def _counts(self, s: Session) -> dict[str, int]:
         counts: dict[str, int] = {}
