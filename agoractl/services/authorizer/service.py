@@ -27,6 +27,13 @@ REASONS = ("capacity", "malformed", "outdated_client", "unreachable", "invalid_t
 """Why a node was refused or made to wait (report §5.3.3)."""
 
 
+def _deep_merge(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for k, v in changes.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 class PolicyError(ValueError):
     """A policy change that does not validate; the message names the field."""
 
@@ -44,7 +51,7 @@ class Authorizer:
         return Admission.model_validate_json(self.live.get_policy())
 
     def set_policy(self, changes: dict) -> Admission:
-        merged = {**self.policy().model_dump(), **changes}
+        merged = _deep_merge(self.policy().model_dump(), changes)
         try:
             new = Admission.model_validate(merged)
         except ValidationError as e:
