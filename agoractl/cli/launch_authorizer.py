@@ -32,3 +32,24 @@ def authorizer(
          f"(database {auth.engine.url.render_as_string(hide_password=True)}, "
          f"{'redis' if settings.redis_url else 'in-process state'})")
     serve(app_, host, port)
+
+
+def loopback_authorizer(run, manifest, set_):
+    """For `launch swarm` with admission on and no admission.authorizer: an Authorizer in this process on
+    loopback (SQLite under local.run_dir/authorizer, in-process state; the key from AGORA_AUTHORITY_KEY, else a
+    fresh one for this swarm). Returns (run, overrides, server) with the nodes pointed at it; server None when
+    not needed."""
+    if not run.admission.enabled or run.admission.authorizer:
+        return run, set_, None
+    import os
+
+    from agoractl.auth import keys
+    from agoractl.services.authorizer.server import Background, Settings, build
+
+    key = keys.load_private() if os.environ.get(keys.KEY_ENV) else keys.generate()
+    app_, _ = build(run, Settings.from_env(run), key=key)
+    server = Background(app_)
+    set_ = [*(set_ or []), f"admission.authorizer={server.url}",
+            f"admission.authority_public_key={keys.public_text(key)}"]
+    note(f"authorizer: {server.url} (run {run.metadata.name}, every node joins through it)")
+    return load(manifest, set_), set_, server
