@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 import psutil
@@ -44,6 +44,8 @@ class Admitted:
     dht: object
     renewals: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    step: Callable[[], int] = lambda: 0
+    """The node's training step, reported with each renewal (the Authorizer's operators-only window)."""
 
     def current(self) -> str:
         return self.token
@@ -168,7 +170,8 @@ def _renew_loop(adm: Admitted, holder: dict, log) -> None:
                     peer_auth.push(adm.dht, holder["token"], bans)
                 if adm.expires_at - time.time() > ttl / 2:
                     continue
-                out = client.post("/v1/renew", json={"credential": holder["token"], "peer_id": adm.peer_id}).json()
+                out = client.post("/v1/renew", json={"credential": holder["token"], "peer_id": adm.peer_id,
+                                                   "step": int(adm.step())}).json()
                 if out.get("status") == "admitted":
                     holder["token"], adm.token, adm.expires_at = out["credential"], out["credential"], out["expires_at"]
                     peer_auth.push(adm.dht, holder["token"], adm.auth.bans)

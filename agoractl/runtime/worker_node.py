@@ -122,6 +122,8 @@ class WorkerNode:
         self.worker.fault = fault
         if fault:
             self.log.warning("fault drill: this worker's outputs are wrong on purpose", fault=fault)
+        if self.admitted is not None:
+            self.admitted.step = lambda: self.worker.progress.step
         self.termination: Optional[Termination] = None
         """The self-termination rule that fired (report §3.3.1.6), if one did."""
         self.monitor = Monitor(run.workers.self_termination, self._terminate)

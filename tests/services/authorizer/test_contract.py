@@ -155,3 +155,15 @@ def test_restart_loses_no_node_queue_entry_or_ban(backend):
     assert renewed.status_code == 200 and renewed.json()["status"] == "admitted"
     if backend.kind == "postgres+redis":  # the live policy lives in Redis; in-process state starts from the manifest
         assert s.client.get("/v1/policy", headers=admin(s)).json()["max_contributors"] == 5
+
+
+def test_operators_only_until_the_run_reaches_a_step(backend):
+    s = backend.start(Run.model_validate({"admission": {"operators_only_until_step": 100,
+                                                        "joins_per_minute": 6000}}))
+    token = s.client.post("/v1/accounts", headers=admin(s), json={"name": "ops", "operator": True}).json()["token"]
+    op = join(s.client, "op1", account="ops", account_token=token).json()
+    assert op["status"] == "admitted" and credential.decode(op["credential"]).operator
+    r = join(s.client, "c1", peer="12D3KooWC").json()
+    assert r["status"] == "queued" and r["reason"] == "capacity" and "until step 100" in r["detail"]
+    s.client.post("/v1/renew", json={"credential": op["credential"], "peer_id": PEER, "step": 100}).raise_for_status()
+    assert join(s.client, "c1", peer="12D3KooWC").json()["status"] == "admitted"
