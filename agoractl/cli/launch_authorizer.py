@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
+from agoractl.auth import keys
 from agoractl.cli.common import ManifestArg, SetOpt, load
 from agoractl.cli.launch import app
 from agoractl.cli.output import note
+from agoractl.services.authorizer.server import Background, Settings, build, serve
 
 
 @app.command(epilog="Examples:\n\n  AGORA_AUTHORITY_KEY=authority.key agoractl launch authorizer run.yaml\n\n"
@@ -23,8 +26,6 @@ def authorizer(
     """The Authorizer (report §3.6.1): admission, stage placement, signed credentials, for this manifest's run.
     PostgreSQL from AGORA_DATABASE_URL (default SQLite under local.run_dir/authorizer), Redis from
     AGORA_REDIS_URL (default in-process), the private key from AGORA_AUTHORITY_KEY. Serves until Ctrl-C."""
-    from agoractl.services.authorizer.server import Settings, build, serve
-
     run = load(manifest, set_)
     settings = Settings.from_env(run)
     app_, auth = build(run, settings)
@@ -41,11 +42,6 @@ def loopback_authorizer(run, manifest, set_):
     not needed."""
     if not run.admission.enabled or run.admission.authorizer:
         return run, set_, None
-    import os
-
-    from agoractl.auth import keys
-    from agoractl.services.authorizer.server import Background, Settings, build
-
     key = keys.load_private() if os.environ.get(keys.KEY_ENV) else keys.generate()
     app_, _ = build(run, Settings.from_env(run), key=key)
     server = Background(app_)
