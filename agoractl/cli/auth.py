@@ -95,7 +95,8 @@ def _render_nodes(rows: list[dict]) -> None:
         stdout.print(f"{n['node_id']:<24} {n['role']:<8} {n['stage'] or '-':<10} {n['status']:<9} {n['peer_id']}")
 
 
-@app.command(epilog="Example:\n\n  agoractl auth ban run.yaml worker-7\n\n  agoractl auth ban run.yaml mallory --account")
+@app.command(epilog="Example:\n\n  agoractl auth ban run.yaml worker-7\n\n"
+                    "  agoractl auth ban run.yaml mallory --account")
 def ban(manifest: ManifestArg, subject: Annotated[str, typer.Argument(help="Node id (or account with --account).")],
         account: Annotated[bool, typer.Option("--account", help="Ban a whole account.")] = False,
         reason: Annotated[str, typer.Option(help="Why, kept in the record.")] = "",

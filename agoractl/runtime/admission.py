@@ -147,7 +147,8 @@ def enter(run: Run, dht, role: str, timeout_s: float = 600.0) -> Optional[Admitt
                 log.info("queued", position=out.get("position"), reason=out.get("reason"))
                 time.sleep(min(float(out.get("retry_after_s") or 1.0), 5.0))
         except httpx.HTTPError as e:
-            raise RuntimeFailure(f"Authorizer {url}: {e}", hint="is `agoractl launch authorizer` running there?") from None
+            raise RuntimeFailure(f"Authorizer {url}: {e}",
+                                 hint="is `agoractl launch authorizer` running there?") from None
     holder["token"] = out["credential"]
     peer_auth.push(dht, holder["token"], auth.bans)
     adm = Admitted(url, body["node_id"], peer, out.get("stage"), out["credential"], out["expires_at"], auth, dht)

@@ -69,7 +69,8 @@ class Authorizer:
         policy, nid = self.policy(), req["node_id"]
         with Session(self.engine) as s:
             acct = s.get(Account, req["account"])
-            operator = bool(acct and acct.operator and checks.account_token_ok(acct.token_hash, req.get("account_token")))
+            operator = bool(acct and acct.operator
+                            and checks.account_token_ok(acct.token_hash, req.get("account_token")))
             refusal = self._screen(s, policy, req, acct, operator)
             if refusal:
                 return self._refuse(s, nid, *refusal)

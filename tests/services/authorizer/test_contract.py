@@ -54,7 +54,8 @@ def test_every_check_refuses_with_its_reason(backend):
     h = admin(s)
     r = s.client.post("/v1/join", json={"node_id": "weak", "role": "worker", "peer_id": PEER, "ready": True})
     assert r.status_code == 403 and r.json()["reason"] == "below_requirements"
-    s.client.patch("/v1/policy", headers=h, json={"allowed_accelerators": ["H100"], "joins_per_minute": 6000}).raise_for_status()
+    s.client.patch("/v1/policy", headers=h,
+                   json={"allowed_accelerators": ["H100"], "joins_per_minute": 6000}).raise_for_status()
     r = join(s.client, "a100", hardware={"ram_gb": 128, "vram_gb": 80, "accelerator": "A100"})
     assert r.json()["reason"] == "below_requirements" and "accelerator" in r.json()["detail"]
     s.client.patch("/v1/policy", headers=h, json={"checks": {"capability": True, "integrity": True,
