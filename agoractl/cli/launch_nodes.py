@@ -17,6 +17,7 @@ from agoractl import logs
 
 from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load
 from agoractl.cli.launch import FreshOpt, ForceOpt, ResumeStepOpt, app, check_resume_options
+from agoractl.cli.launch_authorizer import loopback_authorizer
 from agoractl.cli.output import emit, note, stderr, stdout
 from agoractl.errors import UsageError
 from agoractl.training.fault_drill import FAULTS
@@ -172,11 +173,16 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
     if run.model.family == "llama" and run.model.ssn.rank is None:
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
+    run, set_, authorizer = loopback_authorizer(run, manifest, set_)  # admission on, no URL: one on loopback
     note(f"swarm: {run.metadata.name}, {len(run.stages)} stages x {run.local.workers_per_stage} workers, "
          f"{run.local.trainers} trainers, {run.training.max_steps} steps of {run.training.global_batch_size} samples")
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
-        report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note,
-                       resume=(resume_step, fresh, force)).run_swarm()
+        try:
+            report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note,
+                           resume=(resume_step, fresh, force)).run_swarm()
+        finally:
+            if authorizer is not None:
+                authorizer.stop()
     emit(report, as_json, _render_swarm)
 
 

@@ -54,7 +54,7 @@ COMMANDS: dict[str, Entry] = {
                       "Validate a run manifest, print its JSON Schema, or plan what it costs."),
     "launch": Entry("agoractl.cli.launch", "app",
                     "Start nodes of a run, a whole local swarm, or the centralized reference.",
-                    extra=("agoractl.cli.launch_nodes",)),  # launch dht|worker|trainer|swarm
+                    extra=("agoractl.cli.launch_nodes", "agoractl.cli.launch_authorizer")),  # dht|worker|...
     "checkpoint": Entry("agoractl.cli.checkpoint", "app",
                         "Publish, fetch and list stage checkpoints in checkpoints.store (local, file:// or s3://)."),
     "analyze": Entry("agoractl.cli.analyze", "app",
@@ -73,6 +73,8 @@ COMMANDS: dict[str, Entry] = {
                     "Assemble the run's model into a Hugging Face LlamaForCausalLM directory."),
     "eval": Entry("agoractl.cli.export", "evaluate",
                   "Held-out perplexity of an exported model, scored as lm-eval-harness scores it."),
+    "auth": Entry("agoractl.cli.auth", "app",
+                  "The authority's keys and a running Authorizer: policy, report, nodes, bans."),
     "demo": Entry("agoractl.cli.demo", "demo",
                   "Run the embedded default (manifests/local-cpu.yaml) end to end with the public commands."),
 }

@@ -13,6 +13,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from agoractl.manifest.admission import Admission, admission_errors
+
 API_VERSION = "agoractl/v1"
 KIND = "Run"
 BYTES_TOKENIZER_VOCAB = 257
@@ -284,23 +286,6 @@ class Validation(Section):
     for ordinary failures."""
 
 
-class Admission(Section):
-    min_vram_gb: float = Field(24.0, ge=0)
-    """Minimum accelerator memory, in GB (report footnote 4: 24)."""
-    min_ram_gb: float = Field(80.0, ge=0)
-    """Minimum host memory, in GB (footnote 4: 80)."""
-    min_bandwidth_mbps: float = Field(200.0, ge=0)
-    """Minimum download bandwidth, in Mbit/s (footnote 4: 200)."""
-    max_latency_ms: float = Field(80.0, gt=0)
-    """Maximum network latency, in ms (footnote 4: 80)."""
-    allowed_accelerators: list[str] = []
-    """Accepted accelerator models; empty = any."""
-    max_contributors: int = Field(60, ge=0)
-    """Most contributor nodes admitted at once (report §5.3.3: 60)."""
-    joins_per_minute: float = Field(10.0, gt=0)
-    """Admission rate limit, in joins per minute."""
-
-
 class Data(Section):
     source: str = "runs/local-cpu/sample/*.parquet"
     """Input parquet files: local path or glob, s3://bucket/prefix/*.parquet, or hf://datasets/..."""
@@ -475,6 +460,7 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
     if st.allreduce_failures > st.window_rounds:
         out.append(("workers.self_termination.allreduce_failures",
                     f"cannot exceed window_rounds ({st.window_rounds}); got {st.allreduce_failures}"))
+    out += admission_errors(run.admission, names)
     if run.training.schedule.warmup_steps > run.training.max_steps:
         out.append(("training.schedule.warmup_steps",
                     f"exceeds training.max_steps ({run.training.max_steps})"))

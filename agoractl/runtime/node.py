@@ -39,10 +39,12 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
     """A running ``hivemind.DHT`` joined to `initial_peers` (none: a new DHT, i.e. a seed)."""
     import hivemind
 
+    from agoractl.runtime import admission
+
     deadline = time.monotonic() + run.network.startup_timeout_s
     for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
         try:
-            return hivemind.DHT(
+            dht = hivemind.DHT(
                 initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
                 host_maddrs=list(run.network.host_maddrs), announce_maddrs=list(run.network.announce_maddrs) or None,
                 startup_timeout=run.network.startup_timeout_s, await_ready=True,
@@ -63,6 +65,8 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
                                  hint="check --initial-peers (multiaddrs printed by `agoractl launch dht`) and "
                                       "network.host_maddrs; raise network.startup_timeout_s on a loaded "
                                       "machine") from None
+        else:
+            return admission.guard(run, dht)  # admission on: every record carries and needs a credential
 
 
 def require_peers(initial_peers: Sequence[str], what: str) -> list[str]:

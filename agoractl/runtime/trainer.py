@@ -42,7 +42,7 @@ import torch
 from agoractl import logs
 from agoractl.errors import StalledRun
 from agoractl.manifest.schema import Run
-from agoractl.runtime import node
+from agoractl.runtime import admission, node
 from agoractl.algorithms.balancer import Balancer
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
@@ -102,6 +102,7 @@ class Trainer:
         self.resumed: dict = {"step": resume_step, "source": "ledger"}
         self.dht = node.start_dht(run, node.require_peers(initial_peers, "trainer"), client_mode=True)
         self.peer = self.dht.peer_id.to_base58()
+        self.admitted = admission.enter(run, self.dht, "trainer")  # None when admission is off
         self.records = RunRecords(self.dht, run.metadata.name)
         self.balancers = {s: Balancer(self.t.ban_s) for s in self.stages}
         self.checks = ReplyChecks(run) if run.validation.enabled else None
@@ -420,7 +421,8 @@ class Trainer:
                 self.stop.set()
 
     async def _main(self) -> None:
-        self.client = StageClient(await self.dht.replicate_p2p(), self.run.metadata.name)
+        self.client = StageClient(await self.dht.replicate_p2p(), self.run.metadata.name,
+                                  self.admitted.current if self.admitted is not None else None)
         watchdog = asyncio.create_task(self._stall_loop())
         try:
             await self._train()
@@ -485,4 +487,5 @@ class Trainer:
                            for s in self.stages},
                 "faults": self.faults.counts,
                 "seen_step": dict(self.seen_step),
+                "admission": admission.summary(self.admitted),
                 "tokens": {str(k): int(v) for k, v in getattr(self._stream, "tokens_consumed", lambda: {})().items()}}

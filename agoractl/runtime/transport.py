@@ -57,12 +57,15 @@ def unpack(message) -> tuple[dict[str, torch.Tensor], dict]:
 class StageServicer(ServicerBase):
     """Serves a stage's three methods by handing every request to `handler`."""
 
-    def __init__(self, handler: Handler):
-        self.handler = handler
+    def __init__(self, handler: Handler, gate: Optional[Callable[[dict, str], None]] = None):
+        self.handler, self.gate = handler, gate
+        """gate(metadata, caller peer id) raises to refuse a request (admission on: the caller's credential)."""
 
     async def _serve(self, method: str, request: runtime_pb2.ExpertRequest, context: P2PContext):
         tensors, meta = unpack(request)
         caller = context.remote_id.to_base58() if context.remote_id is not None else ""
+        if self.gate is not None:
+            self.gate(meta, caller)
         out, out_meta = await self.handler(method, tensors, meta, caller)
         return pack(out, out_meta, cls=runtime_pb2.ExpertResponse)
 
@@ -83,8 +86,9 @@ class StageServicer(ServicerBase):
 class StageClient:
     """Calls stage methods on workers through a P2P instance (the trainer's)."""
 
-    def __init__(self, p2p: P2P, run: str):
-        self.p2p, self.run = p2p, run
+    def __init__(self, p2p: P2P, run: str, credential: Optional[Callable[[], str]] = None):
+        self.p2p, self.run, self.credential = p2p, run, credential
+        """credential() is this caller's current credential, sent with every request (admission on)."""
         self._peers: dict[str, PeerID] = {}
 
     def _peer(self, peer: str) -> PeerID:
@@ -97,6 +101,8 @@ class StageClient:
                    meta: Optional[dict] = None, timeout: Optional[float] = None) -> tuple[dict[str, torch.Tensor], dict]:
         if method not in METHODS:
             raise ValueError(f"unknown stage method {method!r}")
+        if self.credential is not None:
+            meta = {**(meta or {}), "cred": self.credential()}
         stub = StageServicer.get_stub(self.p2p, self._peer(peer), namespace=namespace(self.run, stage))
         response = await getattr(stub, f"rpc_{method}")(pack(tensors, meta, uid=stage), timeout=timeout)
         return unpack(response)

@@ -39,7 +39,7 @@ import torch
 from agoractl import logs
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
-from agoractl.runtime import node
+from agoractl.runtime import admission, node
 from agoractl.runtime.averaging import stage_averager
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
 from agoractl.training.pipeline_writes import PipelineWrites
@@ -93,6 +93,9 @@ class WorkerNode:
         self.dht = node.start_dht(run, node.require_peers(initial_peers, "worker"))
         self.records = RunRecords(self.dht, run.metadata.name)
         self.peer = self.dht.peer_id.to_base58()
+        self.admitted = admission.enter(run, self.dht, "worker")  # None when admission is off
+        if self.admitted is not None and self.admitted.stage:
+            stage = self.admitted.stage  # placement belongs to the Authorizer (report §3.6.1.4)
         if stage == "auto":
             names = run.stage_names()
             live = {s: sum(r.phase in SERVING_PHASES for r in self.records.stage_workers(s).values()) for s in names}
@@ -119,6 +122,8 @@ class WorkerNode:
         self.worker.fault = fault
         if fault:
             self.log.warning("fault drill: this worker's outputs are wrong on purpose", fault=fault)
+        if self.admitted is not None:
+            self.admitted.step = lambda: self.worker.progress.step
         self.termination: Optional[Termination] = None
         """The self-termination rule that fired (report §3.3.1.6), if one did."""
         self.monitor = Monitor(run.workers.self_termination, self._terminate)
@@ -186,7 +191,8 @@ class WorkerNode:
         async def main():
             try:
                 p2p = await self.dht.replicate_p2p()
-                servicer = StageServicer(self._handle)
+                servicer = StageServicer(self._handle, self.admitted.auth.gate_stage(self.stage)
+                                         if self.admitted is not None else None)
                 await servicer.add_p2p_handlers(p2p, namespace=namespace(self.run.metadata.name, self.stage))
             except BaseException as e:
                 self._serve_error = e
@@ -346,4 +352,5 @@ class WorkerNode:
                 "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats),
                 "termination": self.termination.as_dict() if self.termination else None,
                 "resumed": self.resumed.facts() if self.resumed is not None else None,
+                "admission": admission.summary(self.admitted),
                 **(self.data_parallel.summary() if self.data_parallel is not None else {})}

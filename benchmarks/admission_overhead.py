@@ -1,0 +1,80 @@
+"""Admission's cost in throughput: the same ``launch swarm`` with ``admission.enabled`` off and on, alternating
+in the same run (Done-when of the Authorizer issue: on keeps >= 0.95 x the tokens/s of off).
+
+With admission on, `launch swarm` starts an Authorizer on loopback and every node joins through it; every
+stage request then carries a credential the worker verifies (Ed25519), and every DHT record carries one its
+readers verify. Both sides train ``manifests/local-cpu.yaml`` (plus any ``--set``) on the same sample corpus,
+generated and sharded into a temporary directory first. Each side runs ``--repeats`` times, alternating (off,
+on, off, ...); ``ratio`` is the median of the paired ratios on/off (each on run against the off run just before
+it: these machines are shared and their speed drifts), beside the medians of each side.
+
+    python benchmarks/admission_overhead.py            # a table
+    python benchmarks/admission_overhead.py --json     # JSON on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
+ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
+             "admission.min_bandwidth_mbps=0", "admission.max_latency_ms=10000", "admission.joins_per_minute=6000",
+             "admission.credential_ttl_s=60"]
+
+
+def agoractl(*args: str, timeout: float = 1800) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "agoractl", *args, "--json"], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"agoractl {' '.join(args[:2])} failed with exit code {proc.returncode}")
+    return json.loads(proc.stdout)
+
+
+def sets(values: list[str]) -> list[str]:
+    return [a for v in values for a in ("--set", v)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60, help="Training steps per run.")
+    ap.add_argument("--repeats", type=int, default=2, help="Runs of each side, alternating.")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="Extra manifest overrides.")
+    ap.add_argument("--json", action="store_true", help="JSON on stdout.")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="agora-admission-bench-") as tmp:
+        tmp = Path(tmp)
+        agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", "2000", "--files", "2")
+        data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", "data.num_shards=4"]
+        agoractl("shard", str(MANIFEST), *sets(data))
+        base = data + [f"training.max_steps={args.steps}", "data_parallel.method=none", "model.seq_len=64",
+                       "training.global_batch_size=8", "workers.max_microbatch=8", "workers.announce_period_s=1",
+                       "trainers.discovery_period_s=2", "network.startup_timeout_s=90", *args.overrides]
+        runs: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(args.repeats):
+            for side in ("off", "on"):
+                extra = ADMISSION if side == "on" else []
+                report = agoractl("launch", "swarm", str(MANIFEST),
+                                  *sets(base + extra + [f"local.run_dir={tmp / f'{side}-{i}'}"]))
+                runs[side].append(report["tokens_per_s"])
+                print(f"{side} #{i}: {report['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    ratios = [on / off for on, off in zip(runs["on"], runs["off"])]
+    out = {"benchmark": "admission_overhead", "steps": args.steps, "repeats": args.repeats,
+           "off_tokens_per_s": statistics.median(runs["off"]), "on_tokens_per_s": statistics.median(runs["on"]),
+           "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs, "target": 0.95}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"admission off {out['off_tokens_per_s']:.0f} tokens/s, on {out['on_tokens_per_s']:.0f} tokens/s: "
+              f"ratio {out['ratio']:.3f} (paired {', '.join(f'{r:.3f}' for r in ratios)}; target >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()

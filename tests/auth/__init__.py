@@ -1,0 +1,1 @@
+"""Tests of agoractl.auth: keys, credentials, placement (pure, in-memory)."""
