@@ -1,106 +1,63 @@
-"""The local optimizer of a stage: AdamW, the learning-rate schedule, stage-wise clipping (report §4.3).
+"""The local optimizer of a stage: AdamW, the learning-rate schedule, stage-wise clipping (report §4.3),
+and :func:`optimizer_step`, the one optimizer step that workers, the simulator and the centralized
+reference all take.
 
-Shared by workers (each steps its own stage) and the centralized reference (which steps the whole
-model, clipping each stage's parameters on their own unless the manifest says otherwise).
+Workers step their own stage; the centralized reference and the simulator's full-model replicas step
+the whole model, clipping each stage's parameters on their own unless the manifest says otherwise.
 Weight decay applies to matrices only (ndim ≥ 2), not to norm gains, biases or dummy vectors.
 
-:class:`AdamW` is torch's AdamW update (its single-tensor path, which torch takes for CPU tensors),
-written out: ``torch.optim`` imports ``torch._dynamo`` on an optimizer's first use, about two seconds
-of CPU in every worker process, for a compiler no node uses. Its ``state_dict()`` has torch's layout,
-so checkpoints and joining states read and write the same files either way.
+The optimizer is torch's ``torch.optim.AdamW``: fused where the parameters' device has the fused
+kernel (CPU and CUDA in torch ≥ 2.4), else foreach. Its first construction imports ``torch._dynamo``
+(about 1.7 s of CPU on this project's 2-core machine), once per process, while the node starts; no
+optimizer call after that imports anything (tests/algorithms/test_optim.py). Checkpoints written by
+the hand-written AdamW of agoractl ≤ 0.1.0 have torch's state layout and load unchanged.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from agoractl.manifest.schema import Run
 
-
-class AdamW:
-    """AdamW (decoupled weight decay) over parameter groups, each a dict with ``params`` and any of
-    ``lr``, ``betas``, ``eps``, ``weight_decay`` (defaults from the constructor)."""
-
-    def __init__(self, groups: Iterable[dict], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2):
-        self.defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        self.param_groups: list[dict[str, Any]] = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
-        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for g in self.param_groups:
-            lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state.get(p)
-                if st is None:
-                    st = self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                          "exp_avg_sq": torch.zeros_like(p)}
-                st["step"] += 1
-                t = float(st["step"])
-                if wd:
-                    p.mul_(1 - lr * wd)
-                st["exp_avg"].lerp_(p.grad, 1 - beta1)
-                st["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = (st["exp_avg_sq"].sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
-                p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._params():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-
-    def state_dict(self) -> dict:
-        """torch's layout: ``state`` keyed by the parameter's position across the groups."""
-        index = {id(p): i for i, p in enumerate(self._params())}
-        groups, start = [], 0
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"state": {index[id(p)]: dict(st) for p, st in self.state.items()}, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Hyper-parameters and moments from `state_dict` (this class's or torch's AdamW's)."""
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(f"optimizer state has groups of {[len(g['params']) for g in saved]} parameters; "
-                             f"this optimizer has {[len(g['params']) for g in self.param_groups]}")
-        by_index = {}
-        for g, s in zip(self.param_groups, saved):
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if key in s:
-                    g[key] = tuple(s[key]) if key == "betas" else s[key]
-            by_index.update(zip(s["params"], g["params"]))
-        self.state = {}
-        for i, st in state_dict["state"].items():
-            p = by_index.get(int(i))
-            if p is None:
-                raise ValueError(f"optimizer state has moments for parameter {i}, which no group names")
-            self.state[p] = {"step": torch.as_tensor(st["step"], dtype=torch.float32).clone(),
-                             "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
-                             "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone()}
+ClipGroup = tuple[Sequence[torch.nn.Parameter], Optional[float]]
+"""Parameters clipped together, and their threshold (None: measured, not clipped)."""
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], run: Run) -> AdamW:
+def _adamw(groups: list[dict], **kw) -> torch.optim.AdamW:
+    """torch's AdamW, fused if every parameter's device and dtype have the fused kernel, else foreach."""
+    try:
+        optimizer = torch.optim.AdamW(groups, fused=True, **kw)
+    except RuntimeError:  # a device without the fused kernel (torch names the tensor it refused)
+        optimizer = torch.optim.AdamW(groups, foreach=True, **kw)
+    kernels = {k: optimizer.defaults[k] for k in ("fused", "foreach")}
+
+    def keep_kernels(opt: torch.optim.Optimizer) -> None:
+        # load_state_dict takes the saved groups' flags (None from a hand-written AdamW's checkpoint,
+        # fused from a CUDA node's): this optimizer keeps the kernel chosen for its own parameters.
+        for group in opt.param_groups:
+            group.update(kernels)
+            if kernels["fused"]:
+                for p in group["params"]:
+                    st = opt.state.get(p)
+                    if st and st["step"].device != p.device:
+                        st["step"] = st["step"].to(p.device, torch.float32)
+
+    optimizer.register_load_state_dict_post_hook(keep_kernels)
+    return optimizer
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], run: Run) -> torch.optim.AdamW:
     """AdamW with the manifest's betas, eps and weight decay; lr starts at lr_at(run, 0)."""
     o = run.training.optimizer
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return AdamW([g for g in groups if g["params"]], lr=lr_at(run, 0), betas=tuple(o.betas), eps=o.eps)
+    return _adamw([g for g in groups if g["params"]], lr=lr_at(run, 0), betas=tuple(o.betas), eps=o.eps)
 
 
 def lr_at(run: Run, step: int) -> float:
@@ -117,7 +74,7 @@ def lr_at(run: Run, step: int) -> float:
     return peak * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def set_lr(optimizer: AdamW, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -135,3 +92,46 @@ def clip_stage_(params: Iterable[torch.nn.Parameter], threshold: Optional[float]
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float())
                                                            for p in grads])))
     return float(torch.nn.utils.clip_grad_norm_(grads, threshold))
+
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :func:`optimizer_step` did: each clip group's gradient norm before clipping, and whether
+    the optimizer stepped (False when a norm was not finite: the update is skipped, gradients dropped)."""
+
+    norms: list[float]
+    stepped: bool
+
+
+@torch.no_grad()
+def optimizer_step(optimizer: torch.optim.Optimizer, groups: Sequence[ClipGroup], lr: float, *,
+                   samples: float = 1.0, master: Optional[Sequence[torch.nn.Parameter]] = None) -> StepResult:
+    """One optimizer step of a stage (or a whole model) from its accumulated gradients.
+
+    Divides the gradients by `samples` (what they were summed over; 1 when the loss was already a
+    mean), clips each group to its threshold (stage-wise clipping, :func:`clip_stage_`), sets the
+    learning rate to `lr`, steps and drops every gradient. With `master` (CPU master weights of a
+    device's compute copies, in the groups' parameter order) the gradients move to the master
+    weights, the optimizer steps those, and the compute copies take the new values.
+    """
+    params = [p for ps, _ in groups for p in ps]
+    if samples != 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(samples)
+    norms = [clip_stage_(ps, threshold) for ps, threshold in groups]
+    stepped = all(math.isfinite(n) for n in norms)
+    if stepped:
+        if master is not None:
+            for m, p in zip(master, params):
+                m.grad = None if p.grad is None else p.grad.to(m.device)
+        set_lr(optimizer, lr)
+        optimizer.step()
+        if master is not None:
+            for m, p in zip(master, params):
+                p.copy_(m, non_blocking=True)
+    optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+    return StepResult(norms, stepped)

@@ -72,8 +72,8 @@ class Checkpoint:
 
     def apply_to(self, module: torch.nn.Module, optimizer: Optional[Any] = None) -> int:
         """Load into a stage module (strict: same parameter names) and, when both exist, its
-        optimizer (anything with torch's ``load_state_dict``: :class:`agoractl.algorithms.optim.AdamW` or a
-        torch optimizer); returns the checkpoint's step (a joining worker's starting point)."""
+        optimizer (any torch optimizer, such as :func:`agoractl.algorithms.optim.make_optimizer`'s AdamW);
+        returns the checkpoint's step (a joining worker's starting point)."""
         try:
             module.load_state_dict(self.model_state, strict=True)
         except RuntimeError as e:

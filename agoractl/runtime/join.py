@@ -18,11 +18,10 @@ import torch
 
 from agoractl.ops import optimizer_state as opt_codec
 from agoractl.ops.checkpoint import Checkpoint, CheckpointStore
-from agoractl.algorithms.optim import AdamW
 from agoractl.manifest.schema import Run
 
 
-def pack_state(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: Optional[AdamW],
+def pack_state(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: Optional[torch.optim.Optimizer],
                stage: str, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """(msgpack-able metadata, tensors) of a stage's state: parameters first, then optimizer tensors."""
     names = [n for n, _ in named_params]
@@ -70,7 +69,7 @@ def load_stage_state(role: str, from_peers: Callable[[], Optional[Checkpoint]],
 
 
 @torch.no_grad()
-def apply_state(state: Checkpoint, module: torch.nn.Module, optimizer: Optional[AdamW],
+def apply_state(state: Checkpoint, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                 master: Optional[Sequence[torch.Tensor]] = None) -> int:
     """Load `state` into the stage module (and its optimizer), refresh CPU master copies if the
     module computes elsewhere; returns the state's step."""

@@ -35,7 +35,7 @@ from agoractl.algorithms.consensus import js_distance, l2_distance, pairwise
 from agoractl.algorithms.fgdiloco import OuterSGD, mix, outer_round, random_matching, variant_mixing
 from agoractl.model.build import build_model, build_stage, stage_parameter_names
 from agoractl.model.llama import lm_loss, split_sample
-from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
+from agoractl.algorithms.optim import lr_at, make_optimizer, optimizer_step
 from agoractl.algorithms.sparta import SegmentTiling, apply_round, weighted_average
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -137,12 +137,8 @@ class Replica:
         """One inner optimizer step on `samples` [B, seq_len + 1]; returns the training loss."""
         inputs, labels = split_sample(samples)
         loss = lm_loss(self.model(inputs), labels)
-        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        for params, threshold in self.groups:
-            clip_stage_(params, threshold)
-        set_lr(self.optimizer, lr_at(self.run, self.step))
-        self.optimizer.step()
+        optimizer_step(self.optimizer, self.groups, lr_at(self.run, self.step))
         self.step += 1
         return float(loss.detach())
 
@@ -307,13 +303,8 @@ class PipelineSim:
             for rep in stage:
                 if not rep.microbatches:
                     continue
-                for p in rep.params.values():
-                    if p.grad is not None:
-                        p.grad.div_(rep.microbatches)
-                clip_stage_(rep.params.values(), rep.threshold)
-                set_lr(rep.optimizer, lr)
-                rep.optimizer.step()
-                rep.optimizer.zero_grad(set_to_none=True)
+                optimizer_step(rep.optimizer, [(list(rep.params.values()), rep.threshold)], lr,
+                               samples=rep.microbatches)
                 rep.microbatches = 0
         self.step += 1
         if self.step % self.run.data_parallel.sparta.every_steps == 0:

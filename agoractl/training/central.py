@@ -20,7 +20,7 @@ from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
 from agoractl.model.build import build_model, count_module, stage_parameter_names
 from agoractl.model.llama import lm_loss, split_sample
-from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
+from agoractl.algorithms.optim import lr_at, make_optimizer, optimizer_step
 from agoractl.ops.checkpoint import Checkpoint, due
 from agoractl.training.report import run_report
 
@@ -56,6 +56,44 @@ def batches(samples: Iterator[torch.Tensor], size: int) -> Iterator[torch.Tensor
             buf = []
 
 
+class Central:
+    """The monolithic model, its AdamW and clipping groups: :meth:`step` takes one optimizer step."""
+
+    def __init__(self, run: Run, device: torch.device | str = "cpu", microbatch: Optional[int] = None):
+        self.run, self.device = run, torch.device(device)
+        self.batch_size = run.training.global_batch_size
+        self.micro = min(self.batch_size, microbatch or run.workers.max_microbatch)
+        self.model = build_model(run, self.device)
+        self.model.train()
+        self.optimizer = make_optimizer(self.model.parameters(), run)
+        self.groups = clip_groups(run, self.model)
+        self.step_index = 0
+
+    def step(self, batch: torch.Tensor) -> tuple[float, float, dict[str, float]]:
+        """One optimizer step on `batch` [global_batch_size, seq_len + 1]: (loss, lr, grad norm per
+        clipping unit, before clipping)."""
+        seq_len = self.run.model.seq_len
+        if batch.shape[1] != seq_len + 1:
+            raise RuntimeFailure(f"the data stream yields samples of {batch.shape[1]} tokens; "
+                                 f"model.seq_len + 1 is {seq_len + 1}",
+                                 hint="rerun `agoractl shard FILE` with this manifest")
+        step = self.step_index
+        total = 0.0
+        for mb in batch.split(self.micro):
+            inputs, labels = split_sample(mb.to(self.device, non_blocking=True))
+            loss = lm_loss(self.model(inputs), labels)
+            (loss * (mb.shape[0] / self.batch_size)).backward()
+            total += loss.item() * mb.shape[0]
+        step_loss = total / self.batch_size
+        if step_loss != step_loss:  # NaN: stop at once rather than train on garbage
+            raise RuntimeFailure(f"the loss became NaN at step {step}",
+                                 hint="lower training.optimizer.lr or check training.clipping")
+        lr = lr_at(self.run, step)
+        result = optimizer_step(self.optimizer, [(params, threshold) for _, params, threshold in self.groups], lr)
+        self.step_index += 1
+        return step_loss, lr, {label: n for (label, _, _), n in zip(self.groups, result.norms)}
+
+
 def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.device | str = "cpu",
                   microbatch: Optional[int] = None, on_step: Optional[StepCallback] = None,
                   resume: Optional[Checkpoint] = None,
@@ -66,39 +104,17 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
     `resume`: the checkpoint to continue from (weights and AdamW state; the schedule follows the step);
     `samples` must then start where that checkpoint's run stopped drawing. `on_checkpoint(step, model,
     optimizer)` runs after every ``checkpoints.every_steps`` steps and after the last step."""
-    device = torch.device(device)
     t = run.training
-    batch_size, seq_len = t.global_batch_size, run.model.seq_len
-    micro = min(batch_size, microbatch or run.workers.max_microbatch)
-    model = build_model(run, device)
-    model.train()
-    optimizer = make_optimizer(model.parameters(), run)
-    groups = clip_groups(run, model)
+    central = Central(run, device, microbatch)
+    model, optimizer = central.model, central.optimizer
+    batch_size, seq_len = central.batch_size, run.model.seq_len
     losses: list[list[float]] = []
     norms: list[list] = []
-    step = first = resume.apply_to(model, optimizer) if resume is not None else 0
+    step = first = central.step_index = resume.apply_to(model, optimizer) if resume is not None else 0
     last = min(t.max_steps, until or t.max_steps)
     start = time.monotonic()
     for batch in batches(samples, batch_size):
-        if batch.shape[1] != seq_len + 1:
-            raise RuntimeFailure(f"the data stream yields samples of {batch.shape[1]} tokens; "
-                                 f"model.seq_len + 1 is {seq_len + 1}",
-                                 hint="rerun `agoractl shard FILE` with this manifest")
-        lr = lr_at(run, step)
-        set_lr(optimizer, lr)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb in batch.split(micro):
-            inputs, labels = split_sample(mb.to(device, non_blocking=True))
-            loss = lm_loss(model(inputs), labels)
-            (loss * (mb.shape[0] / batch_size)).backward()
-            total += loss.item() * mb.shape[0]
-        step_loss = total / batch_size
-        if step_loss != step_loss:  # NaN: stop at once rather than train on garbage
-            raise RuntimeFailure(f"the loss became NaN at step {step}",
-                                 hint="lower training.optimizer.lr or check training.clipping")
-        step_norms = {label: clip_stage_(params, threshold) for label, params, threshold in groups}
-        optimizer.step()
+        step_loss, lr, step_norms = central.step(batch)
         losses.append([step, step_loss])
         norms.append([step, step_norms])
         step += 1
@@ -119,8 +135,8 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
     return run_report(
         mode="central", name=run.metadata.name, steps=step - first, tokens=(step - first) * batch_size * seq_len,
         elapsed_s=elapsed, loss=losses,
-        device=str(device), precision=t.precision, params=trainable, global_batch_size=batch_size,
-        microbatch=micro, seq_len=seq_len, max_steps=t.max_steps, completed=step >= last,
+        device=str(central.device), precision=t.precision, params=trainable, global_batch_size=batch_size,
+        microbatch=central.micro, seq_len=seq_len, max_steps=t.max_steps, completed=step >= last,
         start_step=first, end_step=step,
         grad_norm=norms,
     )

@@ -24,7 +24,6 @@ No networking here: :mod:`agoractl.runtime.worker_node` connects this to the DHT
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from torch.nn import functional as F
 from agoractl.manifest.schema import Run
 from agoractl.model.codec import from_wire, to_wire
 from agoractl.model.build import build_stage
-from agoractl.algorithms.optim import clip_stage_, lr_at, make_optimizer, set_lr
+from agoractl.algorithms.optim import lr_at, make_optimizer, optimizer_step
 from agoractl.algorithms.progress import StageProgress
 from agoractl.algorithms.validation import request_problem
 from agoractl.training.fault_drill import corrupt_results
@@ -314,26 +313,16 @@ class Worker:
         step = self.progress.step
         contributed = self.progress.samples
         norm = 0.0
-        has_grad = any(p.grad is not None for p in self.params)
-        if contributed > 0 and has_grad:
+        if contributed > 0 and any(p.grad is not None for p in self.params):
+            result = optimizer_step(self.optimizer, [(self.params, self.run.clip_threshold(self.index))],
+                                    lr_at(self.run, step), samples=contributed,
+                                    master=None if self.master is self.params else self.master)
+            norm = result.norms[0]
+            self.emit("gradients", finite=result.stepped, step=step, grad_norm=norm)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
             for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(contributed)
-            norm = clip_stage_(self.params, self.run.clip_threshold(self.index))
-            finite = math.isfinite(norm)
-            self.emit("gradients", finite=finite, step=step, grad_norm=norm)
-            if finite:
-                if self.master is not self.params:
-                    for m, p in zip(self.master, self.params):
-                        m.grad = None if p.grad is None else p.grad.to("cpu")
-                set_lr(self.optimizer, lr_at(self.run, step))
-                self.optimizer.step()
-                if self.master is not self.params:
-                    for m, p in zip(self.master, self.params):
-                        p.copy_(m, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.params:
-            p.grad = None
+                p.grad = None
         self.progress.advance()
         self.progress_changed.set()
         self.stats.steps.append([step, time.time(), contributed, norm])
