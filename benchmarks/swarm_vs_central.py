@@ -66,11 +66,11 @@ def swarm_profile(report: dict) -> dict:
 
     compute = 0.0
     for w in report.get("workers", []):
-        if "cpu_s" in w:
+        if w.get("cpu_s"):  # None for a killed worker (its last DHT record stands in)
             add("worker", w["cpu_s"], w.get("cpu_at_first_request_s") or w.get("cpu_at_ready_s"))
             compute += w.get("compute_s", 0.0)
     for t in report.get("trainers", []):
-        if "cpu_s" in t:
+        if t.get("cpu_s"):
             add("trainer", t["cpu_s"], t.get("cpu_at_start_s"))
     samples = max(1, report.get("samples_completed", 0))
     total = sum(parts.values())
@@ -82,7 +82,7 @@ def swarm_profile(report: dict) -> dict:
         "cpu_ms_per_sample": {k: round(v / samples * 1000, 2) for k, v in sorted(parts.items())},
         "worker_compute_wall_s": round(compute, 2),
         "mean_coalesced": {w["stage"]: round(w["coalesced_sum"] / max(1, sum(w["batches"].values())), 2)
-                           for w in report.get("workers", []) if "coalesced_sum" in w},
+                           for w in report.get("workers", []) if not w.get("killed")},
     }
 
 

@@ -38,6 +38,7 @@ from agoractl.runtime import node
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.runtime.swarm_supervisor import StopSignals, Supervisor
 from agoractl.training.report import write_report
+from agoractl.training.node_stats import LostTrainer, TrainerNodeStats, WorkerNodeStats
 from agoractl.training.swarm_report import aggregate
 
 REPORT_FILE = "swarm-report.json"
@@ -395,30 +396,31 @@ class Swarm:
             time.sleep(0.2)
 
     def report(self, fallback_elapsed_s: float, interrupted: bool = False) -> dict:
-        workers, trainers, lost_trainers, exits = [], [], [], {}
+        workers: list[WorkerNodeStats] = []
+        trainers: list[TrainerNodeStats] = []
+        exits = {}
         for n in self.nodes:
             stats = _read_json(n.stats_path) if n.stats_path else None
             exits[n.name] = n.exit_code
-            if n.kind == "worker":
-                if stats is not None:
-                    workers.append(stats)
-            elif n.kind == "trainer":
-                if stats is not None:
-                    trainers.append(stats)
-        have = {w.get("peer") for w in workers}
+            if stats is not None and n.kind == "worker":
+                workers.append(WorkerNodeStats.from_dict(stats))
+            elif stats is not None and n.kind == "trainer":
+                trainers.append(TrainerNodeStats.from_dict(stats))
+        have = {w.peer for w in workers}
         for peer, rec in self.seen.items():  # killed workers: their last DHT record stands in
             if peer not in have:
-                workers.append({**rec.to_dict(), "killed": True})
-        written = {t.get("trainer") for t in trainers}
-        for index, rec in self.snapshot.trainers.items():
-            if index not in written:
-                lost_trainers.append(rec.to_dict())
+                workers.append(WorkerNodeStats(
+                    peer=rec.peer, stage=rec.stage, phase=rec.phase, role=rec.role, step=rec.step,
+                    backward_samples=rec.samples, max_coalesced=rec.max_coalesced, throughput=rec.throughput,
+                    pid=rec.pid, started=rec.started, first_request=rec.first_request, killed=True))
+        written = {t.trainer for t in trainers}
+        lost_trainers = [LostTrainer(index, rec.in_flight) for index, rec in self.snapshot.trainers.items()
+                         if index not in written]
         report = aggregate(self.run, workers, trainers, lost_trainers, fallback_elapsed_s,
-                         interrupted=interrupted, workers=[_worker_summary(w) for w in workers],
-                         trainers=[_trainer_summary(t) for t in trainers], exit_codes=exits,
-                         processes={"workers_per_stage": self.run.local.workers_per_stage,
-                                    "trainers": self.run.local.trainers,
-                                    "threads_per_process": self.run.local.threads_per_process},
+                           interrupted=interrupted, exit_codes=exits,
+                           processes={"workers_per_stage": self.run.local.workers_per_stage,
+                                      "trainers": self.run.local.trainers,
+                                      "threads_per_process": self.run.local.threads_per_process},
                            restarts=self.supervisor.restarts(), node_exits=self.supervisor.exits)
         for s in report["stages"]:
             s["restarts"] = self.supervisor.stage_restarts(s["name"])
@@ -437,17 +439,3 @@ def _read_json(path: Optional[Path]) -> Optional[dict]:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _worker_summary(w: dict) -> dict:
-    keys = ("peer", "stage", "step", "samples", "backward_samples", "forward_samples", "max_coalesced",
-            "role", "phase", "phases", "join", "sparta", "fgdiloco", "termination",
-            "coalesced_sum", "batches", "compute_s", "idle_s", "throughput", "first_request", "started", "cpu_s", "cpu_at_ready_s", "cpu_at_first_request_s",
-            "refused", "killed", "resumed")
-    return {k: w[k] for k in keys if k in w}
-
-
-def _trainer_summary(t: dict) -> dict:
-    keys = ("trainer", "peer", "dispatched", "completed", "lost", "lost_at", "first_dispatch", "finished_reason",
-            "cpu_s", "cpu_at_start_s", "resumed", "sequences")
-    return {k: t[k] for k in keys if k in t}

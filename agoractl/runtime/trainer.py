@@ -34,7 +34,6 @@ import concurrent.futures
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -48,39 +47,12 @@ from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.transport import StageClient
 from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
+from agoractl.training.node_stats import TrainerNodeStats, TrainerStageStats
 
 PUBLISH_S = 2.0
 """Seconds between the trainer's DHT records (the swarm's live progress)."""
 DATA_REPORT_S = 10.0
 """Seconds between reports of data consumption to the shard ledger's progress files."""
-
-
-@dataclass
-class StageCounters:
-    retries: int = 0
-    """Requests re-sent to another replica after a failure (forward retries and backward fallbacks)."""
-    backward_fallbacks: int = 0
-    """Backward passes served by a replica other than the one that ran the forward."""
-    failures: int = 0
-    """Failed calls (errors and timeouts)."""
-    rejected: int = 0
-    """Replies rejected as invalid (non-finite, malformed or absurd values); their workers are banned longer."""
-
-
-@dataclass
-class TrainerStats:
-    dispatched: int = 0
-    completed: int = 0
-    lost: int = 0
-    lost_at: dict = field(default_factory=dict)
-    """Lost samples per (stage, direction), e.g. {"body-1/backward": 1}."""
-    loss: dict = field(default_factory=dict)
-    """{tail step: [loss sum, samples]}: the loss curve, by the step the tail counted the sample toward."""
-    sequences: list = field(default_factory=list)
-    """[shard, epoch, token offset, tail step] per completed sequence (trainers.record_sequences)."""
-    first_dispatch: Optional[float] = None
-    last_completion: Optional[float] = None
-    finished_reason: str = ""
 
 
 class Trainer:
@@ -108,8 +80,8 @@ class Trainer:
         self.checks = ReplyChecks(run) if run.validation.enabled else None
         self.faults = FaultBook(run.validation.fault_ban_s)
         self._notices: set[asyncio.Task] = set()
-        self.counters = {s: StageCounters() for s in self.stages}
-        self.stats = TrainerStats()
+        self.counters = {s: TrainerStageStats() for s in self.stages}
+        self.stats = TrainerNodeStats(trainer=index, stages=self.counters)
         self.seen_step = {s: 0 for s in self.stages}
         self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
         self.in_flight = 0
@@ -453,7 +425,9 @@ class Trainer:
             self._open_stream()
             asyncio.run(self._main())
         finally:
-            stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_start_s": self.cpu_at_start}
+            final = self.final_stats()
+            final.cpu_s, final.cpu_at_start_s = node.cpu_seconds(), self.cpu_at_start
+            stats = final.to_dict()
             try:
                 self.records.publish_trainer(self.record(done=True), 60.0)
             except Exception:
@@ -477,15 +451,14 @@ class Trainer:
                                   "raise trainers.stall_timeout_s")
         return stats
 
-    def final_stats(self) -> dict:
-        return {"kind": "trainer", "trainer": self.index, "peer": self.peer, "pid": os.getpid(),
-                "resumed": self.resumed,
-                **asdict(self.stats),
-                "loss": {str(k): v for k, v in sorted(self.stats.loss.items())},
-                "stages": {s: {**asdict(self.counters[s]), "bans": self.balancers[s].bans,
-                               "workers_seen": sorted(self.seen_workers[s])}
-                           for s in self.stages},
-                "faults": self.faults.counts,
-                "seen_step": dict(self.seen_step),
-                "admission": admission.summary(self.admitted),
-                "tokens": {str(k): int(v) for k, v in getattr(self._stream, "tokens_consumed", lambda: {})().items()}}
+    def final_stats(self) -> TrainerNodeStats:
+        """The trainer's statistics, with what only its end knows filled in."""
+        for s in self.stages:
+            self.counters[s].bans = self.balancers[s].bans
+            self.counters[s].workers_seen = sorted(self.seen_workers[s])
+        self.stats.peer, self.stats.pid, self.stats.resumed = self.peer, os.getpid(), self.resumed
+        self.stats.faults = dict(self.faults.counts)
+        self.stats.seen_step = dict(self.seen_step)
+        self.stats.admission = admission.summary(self.admitted)
+        self.stats.tokens = dict(getattr(self._stream, "tokens_consumed", lambda: {})())
+        return self.stats

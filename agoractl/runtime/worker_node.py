@@ -47,6 +47,7 @@ from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerR
 from agoractl.runtime.sparta_worker import SpartaWorker
 from agoractl.algorithms.termination import Termination
 from agoractl.training.data_parallel import DataParallelMethod, transport_capacity
+from agoractl.training.node_stats import WorkerNodeStats
 from agoractl.training.self_termination import Monitor
 from agoractl.runtime.transport import StageServicer, namespace
 from agoractl.training.fault_drill import FAULTS
@@ -338,19 +339,21 @@ class WorkerNode:
             if self.data_parallel is not None:
                 self.data_parallel.shutdown()
             server.join(timeout=5)
-            stats = {**self.final_stats(), "cpu_s": node.cpu_seconds(), "cpu_at_ready_s": self.cpu_at_ready,
-                     "cpu_at_first_request_s": self.cpu_at_first_request}
+            final = self.final_stats()
+            final.cpu_s, final.cpu_at_ready_s = node.cpu_seconds(), self.cpu_at_ready
+            final.cpu_at_first_request_s = self.cpu_at_first_request
+            stats = final.to_dict()
             node.write_stats(self.stats_path, stats)
             node.shutdown_dht(self.dht)
         return stats
 
-    def final_stats(self) -> dict:
-        from dataclasses import asdict
-
-        return {"kind": "worker", "peer": self.peer, "stage": self.stage, "pid": os.getpid(),
-                "phase": self.worker.phase, "role": self.worker.role, "step": self.worker.progress.step,
-                "started": self.started, "announced": self.announced, "dht_calls": self.dht_calls, "throughput": self.worker.throughput, **asdict(self.worker.stats),
-                "termination": self.termination.as_dict() if self.termination else None,
-                "resumed": self.resumed.facts() if self.resumed is not None else None,
-                "admission": admission.summary(self.admitted),
-                **(self.data_parallel.summary() if self.data_parallel is not None else {})}
+    def final_stats(self) -> WorkerNodeStats:
+        """The worker's statistics (its compute counters and where it ran; its data-parallel rounds)."""
+        return WorkerNodeStats(
+            **vars(self.worker.stats), peer=self.peer, stage=self.stage, pid=os.getpid(), phase=self.worker.phase,
+            role=self.worker.role, step=self.worker.progress.step, started=self.started, announced=self.announced,
+            dht_calls=self.dht_calls, throughput=self.worker.throughput,
+            termination=self.termination.as_dict() if self.termination else None,
+            resumed=self.resumed.facts() if self.resumed is not None else None,
+            admission=admission.summary(self.admitted),
+            **(self.data_parallel.summary() if self.data_parallel is not None else {}))

@@ -1,8 +1,8 @@
 """The swarm's run report, aggregated from its nodes' statistics (same format as ``launch central``).
 
 Inputs are the final stats every worker and trainer writes on exit (:mod:`agoractl.runtime.worker_node`,
-:mod:`agoractl.runtime.trainer`), and for a node killed before it could write them (SIGKILL), the last
-record the swarm saw of it in the DHT. Pure: dicts in, dict out.
+:mod:`agoractl.runtime.trainer`), typed by :mod:`agoractl.training.node_stats`, and for a node killed
+before it could write them (SIGKILL), what the swarm last saw of it in the DHT. Pure: stats in, dict out.
 
 - ``steps``: the optimizer steps every stage completed (the slowest stage's count);
   ``tokens`` = steps x global batch x seq_len, as the central reference counts them.
@@ -23,51 +23,51 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from agoractl.algorithms.sparta import round_summary
 from agoractl.manifest.schema import Run
+from agoractl.training.node_stats import LostTrainer, TrainerNodeStats, WorkerNodeStats, summary
 from agoractl.training.report import run_report
 
 
-def _stage_completion(workers: list[dict], stage: str, step_index: int) -> Optional[float]:
+def _stage_completion(workers: list[WorkerNodeStats], stage: str, step_index: int) -> Optional[float]:
     """Wall time at which the first replica of `stage` took optimizer step `step_index` (0-based)."""
-    times = [t for w in workers if w.get("stage") == stage for s, t, *_ in w.get("steps", []) if s == step_index]
+    times = [t for w in workers if w.stage == stage for s, t, *_ in w.steps if s == step_index]
     return min(times) if times else None
 
 
-def _averaging(workers: list[dict]) -> dict[str, Any]:
+def _averaging(workers: list[WorkerNodeStats]) -> dict[str, Any]:
     """A stage's SPARTA health from its workers' round records (report §5.7.1)."""
-    from agoractl.algorithms.sparta import round_summary
-
-    return round_summary([r for w in workers for r in w.get("rounds", [])])
+    return round_summary([r for w in workers for r in w.rounds])
 
 
-def _outer_rounds(workers: list[dict]) -> dict[str, Any]:
+def _outer_rounds(workers: list[WorkerNodeStats]) -> dict[str, Any]:
     """A stage's FGDiLoCo health: outer rounds completed and the success of Mix1 and Mix2 (mixes
     that ran; 'none' mixing and lone replicas skip theirs)."""
-    ran = [r for w in workers for r in w.get("rounds", []) if r.get("status") not in (None, "skipped")]
-    out: dict[str, Any] = {"outer_rounds": max([0, *(int(w.get("fgdiloco", {}).get("outer_rounds", 0)) for w in workers)])}
+    ran = [r for w in workers for r in w.rounds if r.get("status") not in (None, "skipped")]
+    out: dict[str, Any] = {"outer_rounds": max([0, *(int((w.fgdiloco or {}).get("outer_rounds", 0)) for w in workers)])}
     for mix in ("mix1", "mix2"):
         xs = [float(r.get("averaging_success", 0.0)) for r in ran if r.get("mix") == mix]
         out[f"{mix}_success_mean"] = sum(xs) / len(xs) if xs else None
     return out
 
 
-def _mean_coalesced(workers: list[dict]) -> Optional[float]:
+def _mean_coalesced(workers: list[WorkerNodeStats]) -> Optional[float]:
     """Samples per compute pass over a stage's workers (report §5.4.0.4: near 1 when the stage is starved,
     near the cap when work piles up); None when unknown (only killed workers' records)."""
-    samples = sum(int(w.get("coalesced_sum", 0)) for w in workers)
-    passes = sum(sum(w.get("batches", {}).values()) for w in workers)
+    samples = sum(w.coalesced_sum for w in workers)
+    passes = sum(sum(w.batches.values()) for w in workers)
     return round(samples / passes, 2) if passes else None
 
 
-def stage_steps(workers: list[dict], stage: str) -> int:
-    return max([0, *(int(w.get("step", 0)) for w in workers if w.get("stage") == stage)])
+def stage_steps(workers: list[WorkerNodeStats], stage: str) -> int:
+    return max([0, *(w.step for w in workers if w.stage == stage)])
 
 
-def merge_faults(trainers: list[dict]) -> dict[str, dict]:
+def merge_faults(trainers: list[TrainerNodeStats]) -> dict[str, dict]:
     """{worker peer: {"stage", reason: count..., "trainers": how many trainers rejected it}}."""
     out: dict[str, dict] = {}
     for t in trainers:
-        for peer, counts in (t.get("faults") or {}).items():
+        for peer, counts in t.faults.items():
             entry = out.setdefault(peer, {"stage": counts.get("stage"), "trainers": 0})
             entry["trainers"] += 1
             for reason, n in counts.items():
@@ -76,21 +76,21 @@ def merge_faults(trainers: list[dict]) -> dict[str, dict]:
     return out
 
 
-def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], lost_trainers: list[dict],
-              fallback_elapsed_s: float, **extra: Any) -> dict[str, Any]:
-    """The run report of a swarm run.
+def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list[TrainerNodeStats],
+              lost_trainers: list[LostTrainer], fallback_elapsed_s: float, **extra: Any) -> dict[str, Any]:
+    """The run report of a swarm run; it lists every node's :func:`~agoractl.training.node_stats.summary`.
 
-    :param worker_stats: per worker its final stats, or for a killed one its last DHT record
-                    (with ``stage``, ``step``, ``samples`` or ``backward_samples``, ``max_coalesced``)
+    :param worker_stats: per worker its final stats, or for a killed one what its last DHT record
+                    says (``killed``: stage, step, backward samples, max_coalesced)
     :param trainer_stats: final stats of the trainers that wrote them
-    :param lost_trainers: last DHT records of trainers that died without stats
+    :param lost_trainers: trainers that died without stats
     :param fallback_elapsed_s: wall time of training as the swarm saw it, used when step times are missing
     """
     workers, trainers = worker_stats, trainer_stats
     stages = run.stage_names()
     batch, seq_len = run.training.global_batch_size, run.model.seq_len
     steps = min(stage_steps(workers, s) for s in stages) if workers else 0
-    starts = [t["first_dispatch"] for t in trainers if t.get("first_dispatch")]
+    starts = [t.first_dispatch for t in trainers if t.first_dispatch]
     ends = [_stage_completion(workers, s, steps - 1) for s in stages] if steps else []
     if starts and ends and all(e is not None for e in ends):
         elapsed = max(ends) - min(starts)
@@ -98,30 +98,30 @@ def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], los
         elapsed = fallback_elapsed_s
     merged: dict[int, list[float]] = {}
     for t in trainers:
-        for step, (total, count) in t.get("loss", {}).items():
+        for step, (total, count) in t.loss.items():
             m = merged.setdefault(int(step), [0.0, 0])
             m[0] += total
             m[1] += count
     loss = [[s, m[0] / m[1]] for s, m in sorted(merged.items()) if m[1] and s < max(steps, 1)]
-    lost = sum(int(t.get("lost", 0)) for t in trainers) + sum(int(t.get("in_flight", 0)) for t in lost_trainers)
+    lost = sum(t.lost for t in trainers) + sum(t.in_flight for t in lost_trainers)
     per_stage = []
     for s in stages:
-        mine = [w for w in workers if w.get("stage") == s]
-        seen = {w["peer"] for w in mine if w.get("peer")}
-        for t in trainers:
-            seen.update(t.get("stages", {}).get(s, {}).get("workers_seen", []))
-        counters = [t.get("stages", {}).get(s, {}) for t in trainers]
+        mine = [w for w in workers if w.stage == s]
+        seen = {w.peer for w in mine if w.peer}
+        counters = [t.stages[s] for t in trainers if s in t.stages]
+        for c in counters:
+            seen.update(c.workers_seen)
         per_stage.append({
             "name": s,
             "workers_seen": len(seen),
             "steps": stage_steps(workers, s),
-            "samples": sum(int(w.get("backward_samples", w.get("samples", 0))) for w in mine),
-            "max_coalesced": max([0, *(int(w.get("max_coalesced", 0)) for w in mine)]),
+            "samples": sum(w.backward_samples for w in mine),
+            "max_coalesced": max([0, *(w.max_coalesced for w in mine)]),
             "mean_coalesced": _mean_coalesced(mine),
-            "retries": sum(int(c.get("retries", 0)) for c in counters),
-            "bans": sum(int(c.get("bans", 0)) for c in counters),
-            "rejected": sum(int(c.get("rejected", 0)) for c in counters),
-            "backward_fallbacks": sum(int(c.get("backward_fallbacks", 0)) for c in counters),
+            "retries": sum(c.retries for c in counters),
+            "bans": sum(c.bans for c in counters),
+            "rejected": sum(c.rejected for c in counters),
+            "backward_fallbacks": sum(c.backward_fallbacks for c in counters),
             **(_averaging(mine) if run.data_parallel.method == "sparta" else {}),
             **(_outer_rounds(mine) if run.data_parallel.method == "fgdiloco" else {}),
         })
@@ -129,9 +129,10 @@ def aggregate(run: Run, worker_stats: list[dict], trainer_stats: list[dict], los
         mode="swarm", name=run.metadata.name, steps=steps, tokens=steps * batch * seq_len,
         elapsed_s=max(elapsed, 1e-9), loss=loss,
         samples_lost=lost,
-        samples_dispatched=sum(int(t.get("dispatched", 0)) for t in trainers),
-        samples_completed=sum(int(t.get("completed", 0)) for t in trainers),
+        samples_dispatched=sum(t.dispatched for t in trainers),
+        samples_completed=sum(t.completed for t in trainers),
         stages=per_stage, global_batch_size=batch, seq_len=seq_len, max_steps=run.training.max_steps,
         completed=steps >= run.training.max_steps, faults=merge_faults(trainers),
+        workers=[summary(w) for w in workers], trainers=[summary(t) for t in trainers],
         **extra,
     )

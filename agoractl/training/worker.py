@@ -39,6 +39,7 @@ from agoractl.algorithms.optim import lr_at, make_optimizer, optimizer_step
 from agoractl.algorithms.progress import StageProgress
 from agoractl.algorithms.validation import request_problem
 from agoractl.training.fault_drill import corrupt_results
+from agoractl.training.node_stats import WorkerStats
 
 QUEUE_OF = {"forward": "forward", "backward": "backward", "forward_backward": "backward"}
 """Which queue each method lands on: everything that accumulates gradients is a backward."""
@@ -64,26 +65,6 @@ class Task:
     def key(self) -> tuple:
         """Requests coalesce only with the same method and shapes."""
         return (self.method, tuple(self.ids.shape[1:]), None if self.wire is None else tuple(self.wire.shape[1:]))
-
-
-@dataclass
-class WorkerStats:
-    """Per-worker counters (kept in the node's final stats JSON and its DHT record)."""
-
-    forward_samples: int = 0
-    backward_samples: int = 0
-    batches: dict = field(default_factory=lambda: {"forward": 0, "backward": 0, "forward_backward": 0})
-    max_coalesced: int = 0
-    coalesced_sum: int = 0
-    compute_s: float = 0.0
-    idle_s: float = 0.0
-    failed_batches: int = 0
-    refused: int = 0
-    """Requests refused before compute: non-finite or malformed inputs (validation.enabled)."""
-    steps: list = field(default_factory=list)
-    """[step, wall time, samples contributed, grad norm before clipping] per optimizer step taken."""
-    first_request: Optional[float] = None
-    """Wall-clock time of the first request served."""
 
 
 class Worker:
