@@ -33,6 +33,7 @@ from typing import Callable, Optional
 from agoractl.algorithms.termination import EXIT_CODES, EXIT_PREEMPTED
 from agoractl.errors import RuntimeFailure, StalledRun
 from agoractl.runtime.records import SERVING_PHASES
+from agoractl.training.node_stats import TrainerNodeStats, WorkerNodeStats
 
 BACKOFF_CAP_S = 60.0
 """The longest wait before a restart, however many restarts came before."""
@@ -241,8 +242,8 @@ class Supervisor:
             return None
         stats = _read_stats(node.stats_path)
         if slot.kind == "trainer":
-            return (stats or {}).get("finished_reason") or "finished"
-        if stats is not None and int(stats.get("step", 0)) >= self.swarm.run.training.max_steps:
+            return (TrainerNodeStats.from_dict(stats).finished_reason if stats else "") or "finished"
+        if stats is not None and WorkerNodeStats.from_dict(stats).step >= self.swarm.run.training.max_steps:
             return "its stage reached training.max_steps"
         return None
 
