@@ -11,7 +11,6 @@ from agoractl.auth import keys
 from agoractl.cli.common import ManifestArg, SetOpt, load
 from agoractl.cli.launch import app
 from agoractl.cli.output import note
-from agoractl.services.authorizer.server import Background, Settings, build, serve
 
 
 @app.command(epilog="Examples:\n\n  AGORA_AUTHORITY_KEY=authority.key agoractl launch authorizer run.yaml\n\n"
@@ -27,6 +26,8 @@ def authorizer(
     PostgreSQL from AGORA_DATABASE_URL (default SQLite under local.run_dir/authorizer), Redis from
     AGORA_REDIS_URL (default in-process), the private key from AGORA_AUTHORITY_KEY. Serves until Ctrl-C."""
     run = load(manifest, set_)
+    from agoractl.services.authorizer.server import Settings, build, serve  # fastapi, sqlalchemy: not for workers
+
     settings = Settings.from_env(run)
     app_, auth = build(run, settings)
     note(f"authorizer: run {run.metadata.name} on http://{host}:{port} "
@@ -42,6 +43,8 @@ def loopback_authorizer(run, manifest, set_):
     not needed."""
     if not run.admission.enabled or run.admission.authorizer:
         return run, set_, None
+    from agoractl.services.authorizer.server import Background, Settings, build  # only when one is needed
+
     key = keys.load_private() if os.environ.get(keys.KEY_ENV) else keys.generate()
     app_, _ = build(run, Settings.from_env(run), key=key)
     server = Background(app_)

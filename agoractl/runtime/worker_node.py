@@ -29,6 +29,7 @@ on its events: when one fires the worker stops and the process exits with the ru
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -68,6 +69,9 @@ the samples per step right on average whatever the lag, :mod:`agoractl.algorithm
 def choose_stage(live: dict[str, int], order: Sequence[str]) -> str:
     """`--stage auto`: the stage with the fewest live replicas; ties go to the earliest stage."""
     return min(order, key=lambda s: (live.get(s, 0), order.index(s)))
+
+DEFAULT_GC_THRESHOLDS = (700, 10, 10)
+"""CPython's collector thresholds, restored once the worker is ready (the CLI raises them for start-up)."""
 
 
 class WorkerNode:
@@ -318,6 +322,8 @@ class WorkerNode:
         if self.data_parallel is not None:
             self.data_parallel.start()
         self.cpu_at_ready = node.cpu_seconds()
+        gc.freeze()  # start-up's objects live as long as the process: keep them out of every collection
+        gc.set_threshold(*DEFAULT_GC_THRESHOLDS)  # the CLI raised gen 0's for start-up
         self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
                       peer=self.peer, pid=os.getpid())
         last_work = time.monotonic()
