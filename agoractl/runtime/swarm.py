@@ -114,7 +114,10 @@ class Swarm:
 
     def _argv(self, kind: str, *extra: str) -> list[str]:
         sets = [a for o in self.overrides for a in ("--set", o)]
-        if kind in ("worker", "trainer") and self.resume_plan is not None:  # every node starts where planned
+        # Every node the launch starts begins where planned; a replacement (started by the supervisor once
+        # training runs) joins as any newcomer does: state from a peer or the store's newest checkpoint
+        # (--fresh would refuse the checkpoints the run has written since).
+        if kind in ("worker", "trainer") and self.resume_plan is not None and self.started_training is None:
             step = self.resume_plan.step
             extra = (*extra, *(("--resume-step", str(step)) if step else ("--fresh",)),
                      *(("--force",) if self.resume_options[2] and step else ()))
