@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import psutil
 
 from agoractl import storage
-from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, UsageError
+from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, StalledRun, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
@@ -48,6 +48,9 @@ STOP_GRACE_S = 25.0
 """Seconds from the start of a stop until SIGKILL: the trainers get SIGTERM and up to
 :data:`TRAINER_GRACE_S` of it, then the workers and the seed the rest."""
 TRAINER_GRACE_S = 10.0
+STALLED_GRACE_S = 5.0
+"""A stalled run stops faster: nothing is in flight that a live worker could finish, so every node gets
+SIGTERM at once and this long before SIGKILL (the launcher ends within ``local.stall_timeout_s`` + 10 s)."""
 
 
 @dataclass
@@ -111,7 +114,10 @@ class Swarm:
 
     def _argv(self, kind: str, *extra: str) -> list[str]:
         sets = [a for o in self.overrides for a in ("--set", o)]
-        if kind in ("worker", "trainer") and self.resume_plan is not None:  # every node starts where planned
+        # Every node the launch starts begins where planned; a replacement (started by the supervisor once
+        # training runs) joins as any newcomer does: state from a peer or the store's newest checkpoint
+        # (--fresh would refuse the checkpoints the run has written since).
+        if kind in ("worker", "trainer") and self.resume_plan is not None and self.started_training is None:
             step = self.resume_plan.step
             extra = (*extra, *(("--resume-step", str(step)) if step else ("--fresh",)),
                      *(("--force",) if self.resume_options[2] and step else ()))
@@ -176,12 +182,15 @@ class Swarm:
     def _peer_args(self) -> list[str]:
         return [a for m in self.maddrs for a in ("--initial-peers", m)]
 
-    def stop_all(self) -> None:
+    def stop_all(self, stalled: bool = False) -> None:
         """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order) —
         trainers first, so their in-flight samples finish on live workers, then workers and the seed —
-        then SIGKILL each node's whole process group, whatever is left of it after the grace period."""
-        last = time.monotonic() + STOP_GRACE_S
-        for kinds, deadline in ((("trainer",), time.monotonic() + TRAINER_GRACE_S), (("worker", "dht"), last)):
+        then SIGKILL each node's whole process group, whatever is left of it after the grace period.
+        A `stalled` run has nothing in flight: every node at once, :data:`STALLED_GRACE_S` of grace."""
+        last = time.monotonic() + (STALLED_GRACE_S if stalled else STOP_GRACE_S)
+        order = ((("trainer", "worker", "dht"), last),) if stalled else (
+            (("trainer",), time.monotonic() + TRAINER_GRACE_S), (("worker", "dht"), last))
+        for kinds, deadline in order:
             alive = [n for n in self.nodes if n.kind in kinds and n.poll() is None]
             for n in alive:
                 try:
@@ -344,7 +353,7 @@ class Swarm:
         finally:
             self.signals.stopping = True  # from here on a signal is only recorded: this stop is bounded
             t_stop = time.monotonic()
-            self.stop_all()  # _watch took the last look at the DHT while the nodes were still up
+            self.stop_all(stalled=isinstance(failure, StalledRun))  # _watch took the last look at the DHT
             if self.dht is not None:
                 node.shutdown_dht(self.dht)
         report = self.report(fallback_elapsed_s=time.time() - (self.started_training or t_begin),

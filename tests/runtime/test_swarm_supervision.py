@@ -1,11 +1,18 @@
-"""``launch swarm`` keeps its nodes alive and stops on a signal within its bound: a real swarm on loopback
-(DHT seed, one worker per stage, one trainer, each its own process), not mocked, marked ``swarm``.
+"""``launch swarm`` keeps its nodes alive, ends a stalled run, and stops on a signal within its bound: real
+swarms on loopback (DHT seed, 2 stages x 1 worker, 1 trainer, each its own process), not mocked, marked
+``swarm``, in the smallest setting that still trains through the pipeline (2 stages, seq_len 32, batch 4).
+Two swarms, as each ends a different way:
 
-One swarm serves every check, in order: its only tail worker is SIGKILLed twice and each time a new one
-joins and serves (steps go on past the kill); killed a third time, with ``local.max_restarts`` spent, the
-console says the run stalls; then, while a head worker is being stopped, the launcher gets SIGINT: it
-exits 130 within ``STOP_BOUND_S`` and nothing of any node is left. The policy itself (budget, backoff,
-the stall that ends a run with exit code 3) is tested without processes in test_swarm_supervisor.py.
+- The only tail worker is SIGKILLed twice: each time a new one joins and serves (the tail steps past the
+  kill); then, while the head worker is being stopped, the launcher gets SIGINT: it exits 130 within
+  ``STOP_BOUND_S``, nothing of any node is left, and the report counts two restarts for the tail stage.
+  (Not checked: that such a run reaches ``training.max_steps``. A replacement with no live peer in its
+  stage starts at step 0 with initial weights, so the head stage reaches ``max_steps`` first and its
+  worker exits, and the run ends as stalled or completes depending on timing.)
+- With ``local.max_restarts: 0`` the only tail worker is SIGKILLed: the console names the stalled stage
+  and the launcher exits 3 within ``local.stall_timeout_s`` + 10 s, its report's ``end_reason`` naming it.
+
+The policy itself (budget, backoff, the stall clock) is tested without processes in test_swarm_supervisor.py.
 """
 
 from __future__ import annotations
@@ -13,15 +20,28 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 
 from agoractl.runtime.swarm_supervisor import STOP_BOUND_S
 from tests.conftest import private_shards
-from tests.runtime.test_swarm import TINY, Procs, by_stage, err_tail, live_members, run_swarm, wait_status
+from tests.runtime.test_swarm import (
+    TINY,
+    Procs,
+    by_stage,
+    err_tail,
+    live_members,
+    run_swarm,
+    wait_status,
+)
 
 pytestmark = pytest.mark.swarm
+SMALL = TINY + ["stages=[{role: head, layers: 2}, {role: tail, layers: 2}]", "model.seq_len=32",
+                "training.global_batch_size=4", "workers.max_microbatch=4",
+                "local.workers_per_stage=1", "local.trainers=1", "trainers.count=1", "local.restart_backoff_s=0.5"]
+STALL_S = 20
 
 
 @pytest.fixture
@@ -38,25 +58,25 @@ def current(status: dict, slot: str) -> dict:
     return live[-1]
 
 
-def test_killed_tail_worker_is_replaced_twice_and_sigint_stops_everything_in_bound(sample_shards, procs, tmp_path):
+def swarm_err(run_dir) -> str:
+    return (run_dir.parent / f"{run_dir.name}-swarm.err").read_text()
+
+
+def test_killed_tail_worker_is_replaced_twice_then_sigint_stops_everything_in_bound(sample_shards, procs, tmp_path):
     run_dir = tmp_path / "run"
-    values = private_shards(sample_shards, tmp_path) + TINY + [
-        "local.workers_per_stage=1", "local.trainers=1", "trainers.count=1", "training.max_steps=100000",
-        "local.max_restarts=2", "local.restart_backoff_s=0.5", "local.stall_timeout_s=120",
-        f"checkpoints.store={tmp_path / 'store'}"]
-    p, status = run_swarm(procs, run_dir, values)
-    s = wait_status(status, p, lambda s: s["step"] >= 2)
+    p, status = run_swarm(procs, run_dir, private_shards(sample_shards, tmp_path) + SMALL + [
+        "training.max_steps=100000", "local.max_restarts=2", "local.stall_timeout_s=120",
+        f"checkpoints.store={tmp_path / 'store'}"])
+    s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= 1)
     for attempt in (1, 2):
         victim = current(s, "worker-tail-0")
         at = s["stages"]["tail"]["step"]
         os.killpg(victim["pid"], signal.SIGKILL)  # the whole node: python, its DHT process and p2pd
         # A new one joins (a new process, started by the launcher) and serves: the tail steps past the kill.
-        s = wait_status(status, p, lambda s: s["restarts"]["worker-tail-0"] == attempt
-                        and current(s, "worker-tail-0")["pid"] != victim["pid"]
-                        and s["stages"]["tail"]["step"] >= at + 2, timeout=150)
-    # Third time: the budget is spent, and the console says what that means for the run.
-    os.killpg(current(s, "worker-tail-0")["pid"], signal.SIGKILL)
-    wait_status(status, p, lambda s: "no live worker left: the run stalls" in err_tail(run_dir), timeout=60)
+        s = wait_status(status, p, lambda s: s["restarts"]["worker-tail-0"] == attempt  # noqa: B023
+                        and current(s, "worker-tail-0")["pid"] != victim["pid"]  # noqa: B023
+                        and s["stages"]["tail"]["live"] == 1 and s["stages"]["tail"]["step"] >= at + 1,  # noqa: B023
+                        timeout=150)
     head = current(s, "worker-head-0")
     os.killpg(head["pid"], signal.SIGTERM)  # the head worker is stopping ...
     t0 = time.monotonic()
@@ -70,10 +90,35 @@ def test_killed_tail_worker_is_replaced_twice_and_sigint_stops_everything_in_bou
     r = json.loads((run_dir / "swarm-report.json").read_text())
     assert r["end_reason"] == "interrupted by SIGINT" and r["interrupted"]
     assert r["restarts"]["worker-tail-0"] == 2 and by_stage(r)["tail"]["restarts"] == 2
-    assert by_stage(r)["head"]["restarts"] == 0
+    assert r["restarts"]["worker-head-0"] == 0 and by_stage(r)["head"]["restarts"] == 0
     kills = [e for e in r["node_exits"] if e["slot"] == "worker-tail-0"]
-    assert [(e["how"], e["restarted"]) for e in kills] == [("killed by SIGKILL", True)] * 2 + [("killed by SIGKILL", False)]
-    assert r["exit_codes"]["worker-tail-0"] == r["exit_codes"]["worker-tail-0.r1"] == -signal.SIGKILL
-    err = (run_dir.parent / f"{run_dir.name}-swarm.err").read_text()
+    assert [(e["node"], e["how"], e["restarted"]) for e in kills] == [
+        ("worker-tail-0", "killed by SIGKILL", True), ("worker-tail-0.r1", "killed by SIGKILL", True)]
+    err = swarm_err(run_dir)
     assert "worker-tail-0 killed by SIGKILL; starting it again" in err
     assert "worker-tail-0.r1 killed by SIGKILL; starting it again" in err and "(restart 2 of 2)" in err
+
+
+def test_without_restarts_a_killed_tail_worker_ends_the_run_as_stalled_in_bound(sample_shards, procs, tmp_path):
+    run_dir = tmp_path / "run"
+    p, status = run_swarm(procs, run_dir, private_shards(sample_shards, tmp_path) + SMALL + [
+        "training.max_steps=100000", "local.max_restarts=0", f"local.stall_timeout_s={STALL_S}"])
+    s = wait_status(status, p, lambda s: s["step"] >= 1)
+    os.killpg(current(s, "worker-tail-0")["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        p.communicate(timeout=STALL_S + 40)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the stalled swarm did not end; stderr:\n{err_tail(run_dir)}")
+    ended_s = time.monotonic() - t0
+    assert p.returncode == 3, err_tail(run_dir)
+    assert ended_s <= STALL_S + 10, ended_s
+    err = swarm_err(run_dir)
+    assert "stage tail has no live worker left: the run stalls" in err  # said at the kill
+    assert "stalled: no optimizer step for" in err and "stage tail has no live worker" in err
+    r = json.loads((run_dir / "swarm-report.json").read_text())
+    assert r["end_reason"].startswith("stalled: no optimizer step") and "stage tail has no live worker" in r["end_reason"]
+    assert "local.max_restarts=0" in r["end_reason"] and not r["completed"]
+    assert r["restarts"]["worker-tail-0"] == 0
+    groups = {p.pid} | {n["pid"] for n in json.loads(status.read_text())["nodes"]}
+    assert not live_members(groups)
