@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from agoractl.algorithms.termination import EXIT_CODES, EXIT_PREEMPTED
-from agoractl.errors import RuntimeFailure, StalledRun
+from agoractl.errors import StalledRun
 from agoractl.runtime.records import SERVING_PHASES
 from agoractl.training.node_stats import TrainerNodeStats, WorkerNodeStats
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from tests.services.conftest import Backend
 

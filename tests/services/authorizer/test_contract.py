@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 
-import pytest
 
 from agoractl.auth import credential, keys
 from agoractl.manifest.schema import Run
