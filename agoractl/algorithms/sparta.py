@@ -18,15 +18,6 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 
-def n_segments(fraction: float) -> int:
-    """ceil(1 / fraction): 20 segments at p = 5%."""
-    return math.ceil(1.0 / fraction - 1e-9)
-
-
-def segment_of_round(round_index: int, segments: int) -> int:
-    return round_index % segments
-
-
 class SegmentTiling:
     """Disjoint random segments covering every element of the given parameters exactly once.
 

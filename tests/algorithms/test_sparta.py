@@ -5,7 +5,9 @@ import sys
 
 import torch
 
-from agoractl.algorithms.sparta import SegmentTiling, apply_round, n_segments, weighted_average
+from agoractl.algorithms.sparta import SegmentTiling, apply_round, weighted_average
+from agoractl.manifest.loader import load_manifest
+from tests.conftest import MANIFESTS
 
 SHAPES = {"a.weight": (7, 5), "b.bias": (3,), "c.weight": (4, 4, 2)}
 
@@ -13,6 +15,11 @@ SHAPES = {"a.weight": (7, 5), "b.bias": (3,), "c.weight": (4, 4, 2)}
 def params(seed=0):
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+
+
+def n_segments(fraction: float) -> int:
+    """The run's SPARTA segment count (Run.n_segments, the one the tiling uses) at `fraction`."""
+    return load_manifest(MANIFESTS / "local-cpu.yaml", [f"data_parallel.sparta.fraction={fraction}"]).n_segments()
 
 
 def test_n_segments():
