@@ -330,6 +330,9 @@ class Local(Section):
     """Workers per stage that `launch swarm` starts on this machine."""
     trainers: int = Field(1, gt=0)
     """Trainers that `launch swarm` starts."""
+    start_with_workers: Optional[int] = Field(None, gt=0)
+    """Live workers every stage needs before the swarm's trainers send their first sample (null:
+    ``workers_per_stage``); more when workers started by hand are to take part from the first step."""
     threads_per_process: int = Field(1, gt=0)
     """torch threads in each started process."""
     run_dir: str = "runs/local-cpu"

@@ -174,7 +174,8 @@ class Swarm:
         # a trainer of its own giving up on a stage meanwhile would only cost a restart.
         n = self._spawn(name, "trainer", self._argv("trainer", "--index", str(index), "--stats", str(stats),
                                                     "--set", "trainers.stall_timeout_s=0",
-                                                    "--min-workers", str(self.run.local.workers_per_stage),
+                                                    "--min-workers", str(self.run.local.start_with_workers
+                                                                         or self.run.local.workers_per_stage),
                                                     *self._peer_args()))
         n.stats_path = stats
         return n
