@@ -228,7 +228,8 @@ def test_pure_pipeline_matches_the_centralized_reference(corpus, procs, tmp_path
     values = corpus + TINY + ["local.workers_per_stage=1", "local.trainers=1", "trainers.count=1",
                               "training.max_steps=30"]
     run_dir = tmp_path / "run"
-    central = subprocess.run(agoractl("launch", "central", str(MANIFEST), *sets(values + [f"local.run_dir={run_dir}"]),
+    central = subprocess.run(agoractl("launch", "central", str(MANIFEST), *sets(values + [f"local.run_dir={run_dir}",
+                                                                                    f"checkpoints.store={tmp_path / 'cs'}"]),
                                       "--json"), capture_output=True, text=True, timeout=300)
     assert central.returncode == 0, central.stderr
     c = json.loads(central.stdout)
