@@ -70,6 +70,7 @@ def choose_stage(live: dict[str, int], order: Sequence[str]) -> str:
     """`--stage auto`: the stage with the fewest live replicas; ties go to the earliest stage."""
     return min(order, key=lambda s: (live.get(s, 0), order.index(s)))
 
+
 DEFAULT_GC_THRESHOLDS = (700, 10, 10)
 """CPython's collector thresholds, restored once the worker is ready (the CLI raises them for start-up)."""
 
