@@ -46,9 +46,19 @@ class Admitted:
     stop: threading.Event = field(default_factory=threading.Event)
     step: Callable[[], int] = lambda: 0
     """The node's training step, reported with each renewal (the Authorizer's operators-only window)."""
+    listeners: list = field(default_factory=list)
+    """Called with (credential, ban list) whenever either changes (the averager's process: averaging_auth)."""
+    sources: list = field(default_factory=list)
+    """More refusal counts for :func:`summary`: callables returning {"checked": n, "refused": {key: n}}."""
 
     def current(self) -> str:
         return self.token
+
+    def publish(self, token: str, bans: frozenset) -> None:
+        """Hand the current credential and ban list to this node's DHT validator and to every listener."""
+        peer_auth.push(self.dht, token, bans)
+        for listener in self.listeners:
+            listener(token, bans)
 
 
 def package_hash() -> str:
@@ -168,14 +178,14 @@ def _renew_loop(adm: Admitted, holder: dict, log) -> None:
                 bans = frozenset(client.get("/v1/bans").json().get("bans", []))
                 if bans != adm.auth.bans:
                     adm.auth.bans = bans
-                    peer_auth.push(adm.dht, holder["token"], bans)
+                    adm.publish(holder["token"], bans)
                 if adm.expires_at - time.time() > ttl / 2:
                     continue
                 out = client.post("/v1/renew", json={"credential": holder["token"], "peer_id": adm.peer_id,
                                                    "step": int(adm.step())}).json()
                 if out.get("status") == "admitted":
                     holder["token"], adm.token, adm.expires_at = out["credential"], out["credential"], out["expires_at"]
-                    peer_auth.push(adm.dht, holder["token"], adm.auth.bans)
+                    adm.publish(holder["token"], adm.auth.bans)
                     adm.renewals += 1
                 else:
                     log.warning("renewal declined", reason=out.get("reason"))
@@ -187,5 +197,9 @@ def summary(adm: Optional[Admitted]) -> Optional[dict]:
     """For a node's final statistics: its credential and what it refused (None when admission is off)."""
     if adm is None:
         return None
-    return {"node_id": adm.node_id, "stage": adm.stage, "renewals": adm.renewals,
-            **peer_auth.merged_stats(adm.auth, adm.dht)}
+    stats = peer_auth.merged_stats(adm.auth, adm.dht)
+    for source in adm.sources:
+        more = source()
+        stats["checked"] += more.get("checked", 0)
+        stats["refused"].update(more.get("refused", {}))
+    return {"node_id": adm.node_id, "stage": adm.stage, "renewals": adm.renewals, **stats}

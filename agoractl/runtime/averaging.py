@@ -417,21 +417,22 @@ def averager_prefix(run: str, stage: str, method: str) -> str:
     return f"{run}_{stage}_{method}".replace(".", "_")
 
 
-def stage_averager(run: Run, stage: str, role: str, dht, capacity: int) -> StageAverager:
+def stage_averager(run: Run, stage: str, role: str, dht, capacity: int, cls=None, **extra) -> StageAverager:
     """The averaging transport of a worker of `stage` (`role`: operator or contributor), set from the
-    manifest section of the run's data-parallel method; started, sharing the worker's `dht`."""
+    manifest section of the run's data-parallel method; started, sharing the worker's `dht`. `cls` and
+    `extra`: a subclass and its own arguments (admission on: :mod:`agoractl.runtime.averaging_auth`)."""
     method = run.data_parallel.method
     if method not in ("sparta", "fgdiloco"):
         raise ValueError(f"data_parallel.method {method!r} averages nothing; expected sparta or fgdiloco")
     cfg, v = getattr(run.data_parallel, method), run.validation
     # SPARTA averages parameters (alike across replicas: bounded); FGDiLoCo's deltas may differ widely (finite only).
     bound = None if not v.enabled else v.part_multiple if method == "sparta" else math.inf
-    return StageAverager(
+    return (cls or StageAverager)(
         dht, prefix=averager_prefix(run.metadata.name, stage, method), capacity=capacity,
         client_mode=role == "contributor", matchmaking_timeout_s=cfg.matchmaking_timeout_s,
         allreduce_timeout_s=cfg.allreduce_timeout_s, chunk_timeout_s=cfg.chunk_timeout_s,
         chunk_bytes=cfg.chunk_bytes, wire_dtype=cfg.wire_dtype, startup_timeout_s=run.network.startup_timeout_s,
-        part_multiple=bound)
+        part_multiple=bound, **extra)
 
 
 class PendingRound:

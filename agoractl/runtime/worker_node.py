@@ -17,7 +17,8 @@ that joins a running stage starts at the stage's current step. Once the stage re
 ``training.max_steps`` and no request came for :data:`FINISHED_IDLE_S` seconds, the worker exits.
 
 The node builds the stage's averaging transport (:func:`~agoractl.runtime.averaging.stage_averager`,
-an averager process, set from the method's manifest section) and injects it into the data-parallel
+an averager process, set from the method's manifest section; with admission on
+:func:`~agoractl.runtime.averaging_auth.admitted_averager`, whose RPCs check credentials) and injects it into the data-parallel
 method (:class:`~agoractl.training.data_parallel.DataParallelMethod`, ``self.data_parallel``): with
 ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
 joining worker's state, runs its sync phases and the stage's averaging rounds; with ``fgdiloco`` a
@@ -42,6 +43,7 @@ from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.runtime.averaging import stage_averager
+from agoractl.runtime.averaging_auth import admitted_averager
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
 from agoractl.training.pipeline_writes import PipelineWrites
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
@@ -136,7 +138,9 @@ class WorkerNode:
         self.worker.listeners.append(self.monitor)
         self.data_parallel: Optional[DataParallelMethod] = None
         if run.data_parallel.method != "none":  # one averaging transport, whichever method runs on it
-            averager = stage_averager(run, stage, role, self.dht, transport_capacity(run, self.worker.module))
+            capacity = transport_capacity(run, self.worker.module)
+            averager = (stage_averager(run, stage, role, self.dht, capacity) if self.admitted is None
+                        else admitted_averager(run, stage, role, self.dht, capacity, self.admitted))  # checks peers
             if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
                 self.data_parallel = SpartaWorker(run, self.worker, averager, self.dht, self.records, self.peer)
             else:  # fgdiloco: outer rounds, joining state

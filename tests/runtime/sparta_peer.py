@@ -5,6 +5,12 @@ its averager runs and it sees ``--expected`` peers in the DHT, then reads one co
 on stdin, ``go WEIGHT VALUE EXPECTED [FAULT]``: it averages ``--size`` values all equal to VALUE
 with that weight, EXPECTED peers expected, FAULT (send/reduce) armed, and prints the round's
 result as one JSON line: the record, the first and last averaged values, how many did not return.
+
+With ``--authority-key KEY`` the peer plays an admitted worker of stage ``stage`` of run ``test``: it signs
+its own credential with KEY (the Authorizer's part), renews it every ``--ttl``/3 seconds, runs the DHT's
+credential validator and an :class:`~agoractl.runtime.averaging_auth.AdmittedAverager` with the ban list
+``--ban``; ``ready`` is then followed by its peer id and multiaddrs, and ``stats`` on stdin prints the
+averager's refusal counts as one JSON line.
 """
 
 import argparse
@@ -25,6 +31,9 @@ def main() -> None:
     p.add_argument("--chunk-bytes", type=int, default=1024)
     p.add_argument("--wire", default="fp32")
     p.add_argument("--part-multiple", type=float, default=None)  # validation.part_multiple (None: finiteness only)
+    p.add_argument("--authority-key", default=None)  # admission on: sign this peer's own credentials with it
+    p.add_argument("--ttl", type=float, default=12.0)  # credential lifetime, s (renewed every ttl/3)
+    p.add_argument("--ban", action="append", default=[])  # node ids and accounts on the ban list
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -35,19 +44,30 @@ def main() -> None:
 
     dht = hivemind.DHT(initial_peers=args.initial_peer, start=True, client_mode=args.role == "contributor",
                        startup_timeout=120)
-    averager = StageAverager(dht, prefix="test_stage_sparta", capacity=args.size + 7,
-                             client_mode=args.role == "contributor", matchmaking_timeout_s=args.window,
-                             allreduce_timeout_s=60, chunk_timeout_s=5, chunk_bytes=args.chunk_bytes,
-                             wire_dtype=args.wire, part_multiple=args.part_multiple)
+    kwargs = dict(prefix="test_stage_sparta", capacity=args.size + 7, client_mode=args.role == "contributor",
+                  matchmaking_timeout_s=args.window, allreduce_timeout_s=60, chunk_timeout_s=5,
+                  chunk_bytes=args.chunk_bytes, wire_dtype=args.wire, part_multiple=args.part_multiple)
+    if args.authority_key:
+        averager = admitted(dht, args, kwargs)
+    else:
+        averager = StageAverager(dht, **kwargs)
     # Ready once every expected peer is visible in the DHT: the first round then finds its group.
     dht.store("test_peers", subkey=str(dht.peer_id), value=True, expiration_time=get_dht_time() + 600)
     while len((dht.get("test_peers", latest=True) or ValueWithExpiration({}, 0)).value) < args.expected:
         time.sleep(0.2)
-    print("ready", flush=True)
-    for r, line in enumerate(sys.stdin):
+    if args.authority_key:
+        print("ready", dht.peer_id.to_base58(), *map(str, dht.get_visible_maddrs()), flush=True)
+    else:
+        print("ready", flush=True)
+    r = -1
+    for line in sys.stdin:
         cmd = line.split()
+        if cmd and cmd[0] == "stats":
+            print(json.dumps(averager.auth_stats()), flush=True)
+            continue
         if not cmd or cmd[0] != "go":
             break
+        r += 1
         weight, value, expected = float(cmd[1]), float(cmd[2]), int(cmd[3])
         values = torch.full((args.size,), value)
         pending = averager.begin_round(r, r % 4, values, weight, expected, fault=cmd[4] if len(cmd) > 4 else None)
@@ -59,6 +79,40 @@ def main() -> None:
         print(json.dumps(out), flush=True)
     averager.shutdown()
     dht.shutdown()
+
+
+def admitted(dht, args, kwargs):
+    """An AdmittedAverager on a DHT with the credential validator, its credential renewed in a thread."""
+    import threading
+
+    from agoractl.auth import credential, keys
+    from agoractl.runtime import peer_auth
+    from agoractl.runtime.averaging_auth import AdmittedAverager
+
+    key = keys.load_private(args.authority_key)
+    public = keys.public_text(key)
+    bans = frozenset(args.ban)
+    node = f"{args.role}-{dht.peer_id.to_base58()[-6:]}"
+
+    def mint() -> str:
+        return credential.issue(key, run="test", node_id=node, account="test", role="worker", stage="stage",
+                                peer_id=dht.peer_id.to_base58(), ttl_s=args.ttl, serial=1)
+
+    token = mint()
+    dht.add_validators([peer_auth.CredentialValidator("test", public, ["stage"])])
+    peer_auth.push(dht, token, bans)
+    averager = AdmittedAverager(dht, run_name="test", stage="stage", authority_public_key=public, token=token,
+                                bans=bans, **kwargs)
+
+    def renew() -> None:
+        while True:
+            time.sleep(args.ttl / 3)
+            fresh = mint()
+            peer_auth.push(dht, fresh, bans)
+            averager.set_credential(fresh, bans)
+
+    threading.Thread(target=renew, daemon=True).start()
+    return averager
 
 
 if __name__ == "__main__":

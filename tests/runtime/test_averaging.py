@@ -54,8 +54,11 @@ class Swarm:
                 cmd += ["--initial-peer", m]
             self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                text=True))
+        self.ready = []  # per peer: what followed "ready" (admitted peers: peer id and multiaddrs)
         for p in self.procs:
-            assert readline(p, 180).strip() == "ready"
+            words = readline(p, 180).split()
+            assert words[:1] == ["ready"], words
+            self.ready.append(words[1:])
             self.children.append([c.pid for c in psutil.Process(p.pid).children(recursive=True)])
 
     def round(self, commands):

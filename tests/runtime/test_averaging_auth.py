@@ -1,0 +1,136 @@
+"""Credential checks on the averaging RPCs (agoractl.runtime.averaging_auth) between real processes.
+
+Three admitted peers (tests/runtime/sparta_peer.py with ``--authority-key``: two operators and a contributor,
+each its own DHT node with the credential validator and an AdmittedAverager, credentials of 12 s renewed
+every 4 s) average round after round, while a rogue libp2p peer in the test process dials an operator directly
+and tries, ATTEMPTS times per credential, the handshake, joining its group, sending it a part and downloading
+its state: with no credential, a tampered one, one signed by another authority, another peer's, an expired one
+and a banned node's. Every attempt is refused with its reason, the operator counts each, and every honest round
+completes with the right average (across several renewals). About a minute on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+
+from agoractl.auth import credential, keys
+from tests.runtime.test_averaging import Swarm, readline
+
+ATTEMPTS = 3
+PREFIX = "test_stage_sparta"
+RPCS = ("credential", "join", "part", "state")
+
+
+@pytest.fixture
+def authority(tmp_path):
+    return keys.write_pair(tmp_path / "authority.key")
+
+
+async def attack(peer: str, maddrs: list[str], tokens: dict) -> dict:
+    """From a fresh libp2p peer, ATTEMPTS tries of each averaging RPC at `peer` per credential; the errors."""
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2, runtime_pb2
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+    from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
+
+    from agoractl.runtime.averaging_auth import AdmittedAverager
+
+    p2p = await P2P.create(initial_peers=maddrs)
+    ours, target = p2p.peer_id.to_base58(), PeerID.from_base58(peer)
+    stub = AdmittedAverager.get_stub(p2p, target, namespace=PREFIX)  # not an averager's process: the plain stub
+    out: dict[str, list[str]] = {}
+
+    async def drain(stream):
+        async for _ in aiter_with_timeout(stream, 30):
+            pass
+
+    calls = {
+        "credential": lambda token: stub.rpc_credential(
+            runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"cred": token})), timeout=30),
+        "join": lambda _: stub.rpc_join_group(averaging_pb2.JoinRequest(
+            schema_hash=b"x", expiration=get_dht_time() + 30, group_key=f"{PREFIX}.0b00000000")),
+        "part": lambda _: stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(
+            group_id=b"g" * 20, weight=1.0, tensor_part=serialize_torch_tensor(torch.zeros(8))))),
+        "state": lambda _: stub.rpc_download_state(averaging_pb2.DownloadRequest()),
+    }
+    try:
+        for name, make in tokens.items():
+            token = make(ours) if make else None
+            for rpc in RPCS:
+                for _ in range(ATTEMPTS):
+                    try:
+                        result = await calls[rpc](token)
+                        if rpc != "credential":
+                            await drain(result)
+                        out.setdefault(f"{name}:{rpc}", []).append("served")
+                    except Exception as e:
+                        out.setdefault(f"{name}:{rpc}", []).append(str(e))
+    finally:
+        await p2p.shutdown()
+    return out
+
+
+def test_averaging_rpcs_refuse_every_forgery_while_honest_rounds_complete(authority):
+    import hivemind
+
+    from agoractl.runtime.peer_auth import CredentialValidator
+
+    key_path, _, key = authority
+    torch.set_num_threads(1)
+    seed = hivemind.DHT(start=True, startup_timeout=120)
+    swarm = None
+    try:
+        seed.add_validators([CredentialValidator("test", keys.public_text(key), ["stage"])])
+        swarm = Swarm([str(a) for a in seed.get_visible_maddrs()], ["operator", "operator", "contributor"],
+                      ("--authority-key", str(key_path), "--ttl", "12", "--ban", "evil"))
+        leader, *leader_maddrs = swarm.ready[0]
+        honest = swarm.ready[2][0]
+
+        def mint(ttl=300.0, k=key, node_id="rogue", peer=None, stage="stage"):
+            return lambda ours: credential.issue(k, run="test", node_id=node_id, account="x", role="worker",
+                                                 stage=stage, peer_id=peer or ours, ttl_s=ttl, serial=1)
+
+        tokens = {"missing": None,
+                  "forged": lambda ours: credential.tampered(mint()(ours), expires_at=9e12),
+                  "other_authority": mint(k=keys.generate()),
+                  "wrong_peer": mint(peer=honest),
+                  "expired": mint(ttl=-1),
+                  "banned": mint(node_id="evil"),
+                  "wrong_stage": mint(stage="other")}
+        errors: dict = {}
+        attacker = threading.Thread(target=lambda: errors.update(asyncio.run(attack(leader, leader_maddrs, tokens))))
+        attacker.start()
+        rounds = []
+        while attacker.is_alive() or len(rounds) < 4:  # several renewals (every 4 s) land within the rounds
+            rounds.append(swarm.round(["1 1 3", "1 2 3", "1 6 3"]))
+            assert len(rounds) < 40, "the attack never finished"
+        attacker.join()
+        for recs in rounds:
+            for r in recs:
+                assert r["status"] == "complete" and r["group_size"] == 3, recs
+                assert r["first"] == pytest.approx(3.0) and r["averaging_success"] == 1.0, recs
+
+        for name in tokens:
+            for rpc in RPCS:
+                errs = errors[f"{name}:{rpc}"]
+                assert len(errs) == ATTEMPTS and all(f"credential refused: {name}" in e for e in errs), (name, rpc,
+                                                                                                          errs)
+        swarm.procs[0].stdin.write("stats\n")
+        swarm.procs[0].stdin.flush()
+        stats = json.loads(readline(swarm.procs[0], 60))
+        surfaces = {"credential": "averaging_credential", "join": "averaging_join", "part": "averaging_part",
+                    "state": "averaging_state"}
+        for name in tokens:
+            for rpc in RPCS:
+                assert stats["refused"].get(f"{surfaces[rpc]}:{name}", 0) == ATTEMPTS, stats
+        assert not any(k.startswith("averaging_callee") for k in stats["refused"]), stats
+    finally:
+        if swarm is not None:
+            swarm.close()
+        seed.shutdown()
