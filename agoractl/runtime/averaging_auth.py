@@ -23,8 +23,11 @@ memory too, by surface and reason (:meth:`AdmittedAverager.auth_stats`).
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import ctypes
+import logging
 import multiprocessing as mp
 import time
 from typing import AsyncIterator, Iterable, Optional
@@ -32,6 +35,7 @@ from typing import AsyncIterator, Iterable, Optional
 from hivemind.p2p import P2PContext, P2PHandlerError
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer
+from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from agoractl.auth import keys
 from agoractl.auth.credential import REFUSALS, CredentialRefused, verify
@@ -96,6 +100,9 @@ class AdmittedAverager(StageAverager):
 
     def run(self):
         AdmittedAverager._active = self
+        # A refusal raised in a streaming handler reaches the caller as its error message, and is counted here;
+        # hivemind would also log it with a traceback at WARNING, which a rogue peer could use to flood the log.
+        logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_a_refusal)
         super().run()
 
     def _own(self) -> tuple[Optional[str], frozenset]:
@@ -147,8 +154,16 @@ class AdmittedAverager(StageAverager):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        self._gate("averaging_part", context)
-        async for message in super().rpc_aggregate_part(stream, context):
+        first = await anext(stream)
+        try:
+            self._gate("averaging_part", context)
+        except PermissionError:
+            # Read (at most) the end of a one-part stream before answering: closing a stream with unread input
+            # resets it, and the caller would see a broken connection instead of the reason.
+            with contextlib.suppress(asyncio.TimeoutError, StopAsyncIteration):
+                await asyncio.wait_for(anext(stream), 1.0)
+            raise
+        async for message in super().rpc_aggregate_part(achain(as_aiter(first), stream), context):
             yield message
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
@@ -179,6 +194,11 @@ class AdmittedAverager(StageAverager):
         except PermissionError as e:
             raise P2PHandlerError(f"{peer}: {e}") from None
         self._told[peer] = (token, time.monotonic())
+
+
+def _not_a_refusal(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(error, PermissionError) and str(error).startswith("credential refused"))
 
 
 class _Presenting:
