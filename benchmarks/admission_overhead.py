@@ -61,8 +61,9 @@ def main() -> None:
         for i in range(args.repeats):
             for side in ("off", "on"):
                 extra = ADMISSION if side == "on" else []
+                own = tmp / f"{side}-{i}"  # every artefact stays in the temporary directory; a fresh store each
                 report = agoractl("launch", "swarm", str(MANIFEST),
-                                  *sets(base + extra + [f"local.run_dir={tmp / f'{side}-{i}'}"]))
+                                  *sets(base + extra + [f"local.run_dir={own}", f"checkpoints.store={own / 'store'}"]))
                 runs[side].append(report["tokens_per_s"])
                 print(f"{side} #{i}: {report['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
     ratios = [on / off for on, off in zip(runs["on"], runs["off"])]

@@ -7,7 +7,8 @@
   prefixes every record this node stores with its credential and drops every record it is asked to store or
   is handed back that carries none, or a refused one; the run's worker and progress records must be bound to
   the peer id they are filed under. An unadmitted node can therefore neither announce itself to trainers nor
-  declare itself for an averaging group (hivemind's matchmaking goes through the DHT). A record is bound to a
+  declare itself for an averaging group (hivemind's matchmaking goes through the DHT; the averaging RPCs check
+  credentials themselves as well: :mod:`agoractl.runtime.averaging_auth`). A record is bound to a
   credential, not signed per record: a copied credential lets its thief re-file the victim's own records until
   the credential expires, nothing more; the RPCs stay bound by libp2p.
 
