@@ -52,7 +52,7 @@ _REMEMBERED = 4096
 class AdmittedAverager(StageAverager):
     """A :class:`StageAverager` whose peers must hold a valid credential for this run and stage.
 
-    `run_name`, `stage`: what a peer's credential must name; `authority_public_key`: the run's authority
+    `run_name`, `stage_name`: what a peer's credential must name; `authority_public_key`: the run's authority
     (text form); `token`, `bans`: this node's credential and the published ban list, kept current through
     :meth:`set_credential`. Other arguments are :class:`StageAverager`'s.
     """
@@ -62,9 +62,9 @@ class AdmittedAverager(StageAverager):
     _active: Optional["AdmittedAverager"] = None
     """The averager of this process (hivemind runs each averager in a process of its own); None elsewhere."""
 
-    def __init__(self, dht, *, run_name: str, stage: str, authority_public_key: str, token: Optional[str],
+    def __init__(self, dht, *, run_name: str, stage_name: str, authority_public_key: str, token: Optional[str],
                  bans: Iterable[str] = (), **kwargs):
-        self.run_name, self.stage, self.public_text = run_name, stage, authority_public_key
+        self.run_name, self.stage, self.public_text = run_name, stage_name, authority_public_key
         keys.parse_public(authority_public_key)  # fail here, in the host process, on a bad key
         self._auth_shared = mp.Array(ctypes.c_char, _SLOT)
         self._auth_version = mp.Value(ctypes.c_int64, 0)
@@ -224,7 +224,7 @@ def admitted_averager(run, stage: str, role: str, dht, capacity: int, admitted) 
     :class:`~agoractl.runtime.admission.Admitted`): its averaging RPCs check credentials; it follows the
     node's renewals and the ban list, and its refusals go into the node's admission statistics."""
     averager = stage_averager(run, stage, role, dht, capacity, cls=AdmittedAverager, run_name=run.metadata.name,
-                              stage=stage, authority_public_key=admitted.auth.public_text, token=admitted.token,
+                              stage_name=stage, authority_public_key=admitted.auth.public_text, token=admitted.token,
                               bans=admitted.auth.bans)
     admitted.listeners.append(averager.set_credential)
     averager.set_credential(admitted.token, admitted.auth.bans)  # a renewal may have come in meanwhile

@@ -9,8 +9,8 @@ result as one JSON line: the record, the first and last averaged values, how man
 With ``--authority-key KEY`` the peer plays an admitted worker of stage ``stage`` of run ``test``: it signs
 its own credential with KEY (the Authorizer's part), renews it every ``--ttl``/3 seconds, runs the DHT's
 credential validator and an :class:`~agoractl.runtime.averaging_auth.AdmittedAverager` with the ban list
-``--ban``; ``ready`` is then followed by its peer id and multiaddrs, and ``stats`` on stdin prints the
-averager's refusal counts as one JSON line.
+``--ban``, built as a worker builds it; ``ready`` is then followed by its peer id and multiaddrs, and ``stats``
+on stdin prints its admission summary (credentials checked, refusals by surface and reason) as one JSON line.
 """
 
 import argparse
@@ -47,8 +47,9 @@ def main() -> None:
     kwargs = dict(prefix="test_stage_sparta", capacity=args.size + 7, client_mode=args.role == "contributor",
                   matchmaking_timeout_s=args.window, allreduce_timeout_s=60, chunk_timeout_s=5,
                   chunk_bytes=args.chunk_bytes, wire_dtype=args.wire, part_multiple=args.part_multiple)
+    adm = None
     if args.authority_key:
-        averager = admitted(dht, args, kwargs)
+        averager, adm = admitted(dht, args, kwargs)
     else:
         averager = StageAverager(dht, **kwargs)
     # Ready once every expected peer is visible in the DHT: the first round then finds its group.
@@ -63,7 +64,9 @@ def main() -> None:
     for line in sys.stdin:
         cmd = line.split()
         if cmd and cmd[0] == "stats":
-            print(json.dumps(averager.auth_stats()), flush=True)
+            from agoractl.runtime.admission import summary
+
+            print(json.dumps(summary(adm)), flush=True)
             continue
         if not cmd or cmd[0] != "go":
             break
@@ -82,37 +85,48 @@ def main() -> None:
 
 
 def admitted(dht, args, kwargs):
-    """An AdmittedAverager on a DHT with the credential validator, its credential renewed in a thread."""
+    """The worker's own wiring (:func:`agoractl.runtime.averaging_auth.admitted_averager` on an
+    :class:`~agoractl.runtime.admission.Admitted`), on a DHT with the credential validator; the renewals that
+    the Authorizer would grant are minted here, in a thread. `kwargs` become the manifest's sparta section."""
     import threading
 
     from agoractl.auth import credential, keys
+    from agoractl.manifest.loader import load_manifest
     from agoractl.runtime import peer_auth
-    from agoractl.runtime.averaging_auth import AdmittedAverager
+    from agoractl.runtime.admission import Admitted
+    from agoractl.runtime.averaging_auth import admitted_averager
+    from tests.conftest import MANIFESTS
 
     key = keys.load_private(args.authority_key)
-    public = keys.public_text(key)
+    public, peer = keys.public_text(key), dht.peer_id.to_base58()
     bans = frozenset(args.ban)
-    node = f"{args.role}-{dht.peer_id.to_base58()[-6:]}"
 
     def mint() -> str:
-        return credential.issue(key, run="test", node_id=node, account="test", role="worker", stage="stage",
-                                peer_id=dht.peer_id.to_base58(), ttl_s=args.ttl, serial=1)
+        return credential.issue(key, run="test", node_id=f"{args.role}-{peer[-6:]}", account="test", role="worker",
+                                stage="stage", peer_id=peer, ttl_s=args.ttl, serial=1)
 
-    token = mint()
+    sparta = {"matchmaking_timeout_s": kwargs["matchmaking_timeout_s"], "allreduce_timeout_s": 60,
+              "chunk_timeout_s": 5, "chunk_bytes": kwargs["chunk_bytes"], "wire_dtype": kwargs["wire_dtype"]}
+    bound = kwargs["part_multiple"]
+    checks = ["validation.enabled=false"] if bound is None else [f"validation.part_multiple={bound}"]
+    run = load_manifest(MANIFESTS / "local-cpu.yaml", ["metadata.name=test", "data_parallel.method=sparta", *checks,
+                                                       *(f"data_parallel.sparta.{k}={v}" for k, v in sparta.items())])
     dht.add_validators([peer_auth.CredentialValidator("test", public, ["stage"])])
-    peer_auth.push(dht, token, bans)
-    averager = AdmittedAverager(dht, run_name="test", stage="stage", authority_public_key=public, token=token,
-                                bans=bans, **kwargs)
+    adm = Admitted(url="", node_id=f"{args.role}-{peer[-6:]}", peer_id=peer, stage="stage", token=mint(),
+                   expires_at=time.time() + args.ttl, auth=peer_auth.PeerAuth("test", public), dht=dht)
+    adm.auth.bans = bans
+    adm.publish(adm.token, bans)
+    averager = admitted_averager(run, "stage", args.role, dht, kwargs["capacity"], adm)
+    assert averager.prefix == kwargs["prefix"], averager.prefix
 
     def renew() -> None:
         while True:
             time.sleep(args.ttl / 3)
-            fresh = mint()
-            peer_auth.push(dht, fresh, bans)
-            averager.set_credential(fresh, bans)
+            adm.token = mint()
+            adm.publish(adm.token, bans)
 
     threading.Thread(target=renew, daemon=True).start()
-    return averager
+    return averager, adm
 
 
 if __name__ == "__main__":

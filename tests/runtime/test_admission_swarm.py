@@ -5,7 +5,7 @@ one, one signed by another authority, another peer's, an expired one and a banne
 every time, with their own reason; an unadmitted worker's DHT records are dropped, so no trainer ever sends it
 a sample. Then the Authorizer is killed (SIGKILL) and started again on the same database: the nodes train on
 meanwhile, no node, queue entry or ban is lost, and every admitted node renews through the new process (the
-credentials live 30 s: a node renews every 15 s or so). The admitted nodes train to the last step."""
+credentials live 40 s: a node renews every 20 s or so). The admitted nodes train to the last step."""
 
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ STEPS = 150
 """Long enough (tens of seconds on 2 cores) that the attacks land while every node still serves."""
 ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
              "admission.min_bandwidth_mbps=0", "admission.max_latency_ms=10000", "admission.joins_per_minute=6000",
-             "admission.credential_ttl_s=30"]
-TTL = 30.0
+             "admission.credential_ttl_s=40"]
+TTL = 40.0
+"""Nodes renew at half-life, so every node renews within TTL/2 of the restart; an outage longer than about
+3/8 TTL lets the unluckiest nodes' credentials expire (docs/admission.md), hence the Authorizer's restart
+must take less (seconds on an idle machine)."""
 
 
 @pytest.fixture
@@ -156,6 +159,7 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
     killed_at, step_at_kill = time.monotonic(), json.loads(status.read_text()).get("step", 0)
     start_authorizer(procs, values, port, env, tmp_path / "authorizer.err")
     outage_s = time.monotonic() - killed_at
+    assert outage_s < 3 / 8 * TTL, f"the Authorizer took {outage_s:.0f} s to restart: credentials ran out meanwhile"
     after = {n["node_id"]: n for n in httpx.get(url + "/v1/nodes", headers=admin()).json()}
     assert {k: (n["status"], n["stage"], n["peer_id"]) for k, n in after.items()} == \
            {k: (n["status"], n["stage"], n["peer_id"]) for k, n in before.items()}, (before, after, outage_s)
