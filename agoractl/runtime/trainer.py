@@ -16,7 +16,8 @@ Tensors on the wire are what the workers send: SSN coordinates (k per token) whe
 set, never a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records
 every ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes
 loss, samples and tokens consumed per shard in the DHT, and stops once every stage has taken
-``training.max_steps`` steps (seen in the workers' replies and records) or its data runs out. When no
+``training.max_steps`` steps (``training.until_step`` when set; seen in the workers' replies and records) or its
+data runs out. When no
 sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable
 DHT), it logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
@@ -47,7 +48,7 @@ from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.transport import StageClient
 from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
-from agoractl.training.node_stats import TrainerNodeStats, TrainerStageStats
+from agoractl.training.node_stats import FINISHED_REASONS, TrainerNodeStats, TrainerStageStats
 
 PUBLISH_S = 2.0
 """Seconds between the trainer's DHT records (the swarm's live progress)."""
@@ -102,7 +103,7 @@ class Trainer:
         return await asyncio.get_running_loop().run_in_executor(self._dht_pool, fn, *args)
 
     def finished(self) -> bool:
-        return all(self.seen_step[s] >= self.run.training.max_steps for s in self.stages)
+        return all(self.seen_step[s] >= self.run.training.stop_step for s in self.stages)
 
     async def discover(self, stage: str) -> None:
         """Refresh one stage's membership from the DHT (workers in weight sync are invisible)."""
@@ -413,7 +414,7 @@ class Trainer:
                 task.cancel()
         await self._mark_checkpoint()  # the last step's position (the stages finished)
         if self.finished():
-            self.stats.finished_reason = "max_steps reached"
+            self.stats.finished_reason = FINISHED_REASONS[self.run.training.until_step is not None]
         elif self.stop.is_set():
             self.stats.finished_reason = self.stats.finished_reason or "stopped"
 

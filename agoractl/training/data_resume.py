@@ -51,6 +51,9 @@ class CheckpointPositions:
         if self.every <= 0:
             return None
         c = (stage_step // self.every) * self.every
+        until = self.run.training.until_step
+        if until is not None and stage_step >= until:  # the launch's last step is a checkpoint too
+            c = max(c, until)
         return c if c > self.last else None
 
     def record(self, step: int, stream) -> None:

@@ -84,7 +84,7 @@ class Worker:
         else:  # master weights and moments on the CPU; the device holds a compute copy
             self.master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in self.params]
         self.optimizer = make_optimizer(self.master, run)
-        self.progress = StageProgress(run.training.global_batch_size, run.training.max_steps, step)
+        self.progress = StageProgress(run.training.global_batch_size, run.training.stop_step, step)
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role
