@@ -38,3 +38,14 @@ def test_recorded_position_resumes_the_stream_exactly(tmp_path, sample_shards):
 
     other = CheckpointPositions(run, 0, binding="b2")  # the store was rebound: a new run
     assert other.position_for(4) == (None, "ledger") and other.due(4) == 4
+
+
+def test_the_launchs_until_step_is_a_checkpoint_step_too(tmp_path, sample_shards):
+    """A launch that stops after training.until_step records the data position there, even off the
+    checkpoints.every_steps grid, so that the next launch resumes from it."""
+    run = load_manifest(MANIFESTS / "local-cpu.yaml", [*private_shards(sample_shards, tmp_path), "trainers.count=1",
+                                                       "checkpoints.every_steps=4", "training.until_step=6"])
+    positions = CheckpointPositions(run, 0, binding="b1")
+    assert positions.due(5) == 4 and positions.due(6) == 6
+    positions.last = 6
+    assert positions.due(6) is None
