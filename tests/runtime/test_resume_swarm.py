@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import statistics
 import time
 from types import SimpleNamespace
 
@@ -134,8 +133,11 @@ def test_swarm_run_in_two_parts_continues_the_uninterrupted_curve(resumed, unint
     assert {w["resumed"]["loaded_step"] for w in after["workers"]} == {HALF}
     first, second = sequences(before), sequences(after)
     assert reads_on(second, HALF, resumed.at_third)
+    # Records of step HALF in the first part are of samples drawn before it stopped, never applied.
     assert not {s[:3] for s in first if s[3] < HALF} & {s[:3] for s in second}
     assert len(second) == len({s[:3] for s in second})
+    # One sample in flight: the resumed part trains exactly the sequences of the uninterrupted run's steps.
+    assert second == [s for s in sequences(whole) if s[3] >= HALF], (second[:3], sequences(whole)[:3])
 
     mine = {int(s): v for s, v in [*before["loss"], *after["loss"]]}
     ref = {int(s): v for s, v in whole["loss"]}
@@ -144,6 +146,5 @@ def test_swarm_run_in_two_parts_continues_the_uninterrupted_curve(resumed, unint
     # over the 4 steps either side.
     noise = max(abs(ref[i + 1] - ref[i]) for i in range(HALF - 4, HALF + 4))
     assert abs(mine[HALF] - ref[HALF]) <= noise, (mine[HALF], ref[HALF], noise)
-    assert abs(mine[HALF] - mine[HALF - 1]) <= noise + statistics.fmean(
-        abs(ref[i + 1] - ref[i]) for i in range(HALF - 4, HALF + 4)), (mine, ref)
+    assert abs(mine[HALF] - mine[HALF - 1]) <= noise, (mine, ref)
     assert after["final_loss"] == pytest.approx(whole["final_loss"], rel=0.01), (after["loss"], whole["loss"])
