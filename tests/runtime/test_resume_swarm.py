@@ -3,9 +3,11 @@
 
 - ``resumed``: a launch with ``--until-step HALF`` is SIGKILLed (the launcher's process group and every
   node's) once a checkpoint is complete for every stage; the same command resumes from the newest
-  complete checkpoint and stops after step HALF; then the command without ``--until-step`` resumes from
-  HALF to STEPS.
+  complete checkpoint and stops after step HALF. The second test then launches the command without
+  ``--until-step``, which resumes from HALF to STEPS.
 - ``uninterrupted``: the same manifest, seed and data in one launch to STEPS.
+Each test runs two launches (the first test's, its fixture's; the second, the uninterrupted one and the
+last part).
 
 Checked: the SIGKILLed run resumes from its last complete checkpoint (weights and data position) and
 reaches its last step; no sequence is trained twice across the parts (from the trainers' records); the
@@ -17,6 +19,7 @@ two runs differ only by the samples in flight at each stop (read past, never tra
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import signal
@@ -60,7 +63,7 @@ def launch(run_dir, vals, extra=()) -> dict:
 
 @pytest.fixture(scope="module")
 def resumed(sample_shards, tmp_path_factory) -> SimpleNamespace:
-    """SIGKILLed mid-run, resumed to HALF (the same command), then resumed to STEPS."""
+    """SIGKILLed mid-run, then the same command: resumed, it stops after step HALF."""
     tmp = tmp_path_factory.mktemp("resumed")
     run_dir = tmp / "run"
     store, positions = run_dir / "store", tmp / "shards" / "progress" / "checkpoints-00000.json"
@@ -84,10 +87,8 @@ def resumed(sample_shards, tmp_path_factory) -> SimpleNamespace:
     killed = SimpleNamespace(returncode=first.returncode, status=json.loads(status.read_text()),
                              at=max(complete_steps(store) & set(map(int, json.loads(positions.read_text())["positions"]))))
     second = launch(run_dir, vals, until)
-    at_second = holdings_at(positions, second["resume"]["step"])
-    third = launch(run_dir, vals)
-    return SimpleNamespace(killed=killed, second=second, third=third, at_second=at_second,
-                           at_third=holdings_at(positions, third["resume"]["step"]))
+    return SimpleNamespace(killed=killed, second=second, at_second=holdings_at(positions, second["resume"]["step"]),
+                           run_dir=run_dir, values=vals, positions=positions)
 
 
 @pytest.fixture(scope="module")
@@ -119,20 +120,24 @@ def test_sigkilled_swarm_resumes_from_the_last_complete_checkpoint(resumed):
     # No sequence trained twice: the resumed part reads on from the position recorded at the step.
     seqs = sequences(r)
     assert len(seqs) == len({s[:3] for s in seqs}) and reads_on(seqs, at, resumed.at_second), seqs[:5]
+    # Every resumed step took one global batch (the first one too: the stages count from the checkpoint).
+    per_step = collections.Counter(s[3] for s in seqs)
+    assert all(per_step[step] == 8 for step in range(at, HALF)), per_step
     # The loss continues the curve: well below an untrained model's ln(257) from the first resumed step.
     losses = dict((int(s), v) for s, v in r["loss"])
     assert min(losses) == at and losses[at] < math.log(257) - 0.3, (losses, resumed.killed.status.get("loss"))
 
 
 def test_swarm_run_in_two_parts_continues_the_uninterrupted_curve(resumed, uninterrupted):
-    """20 steps (here HALF), then the same command to STEPS: the resumed part starts where the first
-    stopped and ends as one uninterrupted launch does; no sequence is trained twice across the parts."""
-    before, after, whole = resumed.second, resumed.third, uninterrupted
+    """HALF steps (--until-step), then the command without it to STEPS: the resumed part starts where the
+    first stopped and ends as one uninterrupted launch does; no sequence is trained twice across the parts."""
+    before, whole = resumed.second, uninterrupted
+    after = launch(resumed.run_dir, resumed.values)
     assert after["resume"] | {"action": "resume", "step": HALF} == after["resume"]
     assert after["completed"] and after["steps"] == STEPS and after["until_step"] is None
     assert {w["resumed"]["loaded_step"] for w in after["workers"]} == {HALF}
     first, second = sequences(before), sequences(after)
-    assert reads_on(second, HALF, resumed.at_third)
+    assert reads_on(second, HALF, holdings_at(resumed.positions, HALF))
     # Records of step HALF in the first part are of samples drawn before it stopped, never applied.
     assert not {s[:3] for s in first if s[3] < HALF} & {s[:3] for s in second}
     assert len(second) == len({s[:3] for s in second})
