@@ -39,9 +39,12 @@ class StageProgress:
     :param target: samples per optimizer step, counted over all replicas (global batch size)
     :param max_steps: the step counter never goes past this
     :param step: the step to start at (a joining replica takes the stage's current step)
+    :param restarts: the stage itself restarts at `step` (a run resumed from its checkpoints, no replica
+                     running): the samples of the steps before it count as seen, or a replica alone in
+                     its stage would take ``(step + 1) x target`` samples for its first step
     """
 
-    def __init__(self, target: int, max_steps: int, step: int = 0):
+    def __init__(self, target: int, max_steps: int, step: int = 0, restarts: bool = False):
         self.target, self.max_steps = int(target), int(max_steps)
         self.step = int(step)
         self.samples = 0
@@ -53,6 +56,8 @@ class StageProgress:
         self.peers: dict[str, int] = {}
         """Step of every peer currently publishing."""
         self._base = self.step * self.target  # a joiner counts from its starting step
+        self._origin = self._base if restarts else 0
+        """Samples the stage had seen before any replica now counting started (a restarted stage's steps)."""
 
     def observe(self, peers: Mapping[str, PeerProgress]) -> None:
         """Take in the other replicas' records (this replica's own must be left out)."""
@@ -69,7 +74,7 @@ class StageProgress:
 
     def stage_total(self) -> int:
         """This replica's view of the samples the stage has seen."""
-        return self.total + sum(self.peer_totals.values())
+        return self._origin + self.total + sum(self.peer_totals.values())
 
     def collective(self) -> int:
         """Samples the stage has seen toward the current step's batch (beyond it once complete)."""

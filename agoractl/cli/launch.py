@@ -22,6 +22,11 @@ FreshOpt = Annotated[bool, typer.Option("--fresh", help="Start over at step 0 (i
 ForceOpt = Annotated[bool, typer.Option("--force", help="With --fresh: move the store's checkpoints aside under "
                                                         "aside/; alone: resume from a store bound to another run.")]
 
+UntilStepOpt = Annotated[Optional[int], typer.Option(
+    "--until-step", help="Stop after this step (a checkpoint is written there); the schedule still runs to "
+                         "training.max_steps, so a later launch without it continues the run (as "
+                         "--set training.until_step=N).", min=1, show_default=False)]
+
 
 def check_resume_options(resume_step: Optional[int], fresh: bool) -> None:
     if fresh and resume_step is not None:
@@ -49,10 +54,7 @@ def central(
     resume_step: ResumeStepOpt = None,
     fresh: FreshOpt = False,
     force: ForceOpt = False,
-    until_step: Annotated[Optional[int], typer.Option(
-        "--until-step", help="Stop after this step (a checkpoint is written there); the schedule still "
-                             "runs to training.max_steps, so a later resume continues it exactly.", min=1,
-        show_default=False)] = None,
+    until_step: UntilStepOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The centralized reference (report §5.5): the whole model in one process, on the run's data stream,
@@ -63,6 +65,7 @@ def central(
     <checkpoints.store>/central/, and a rerun resumes from the latest one (bit for bit)."""
     run = load(manifest, set_)  # manifest errors before torch is imported: they come back at once
     check_resume_options(resume_step, fresh)
+    until_step = until_step or run.training.until_step
     if until_step is not None and until_step > run.training.max_steps:
         raise UsageError(f"--until-step {until_step} is beyond training.max_steps ({run.training.max_steps})")
     if run.model.family != "llama":

@@ -16,7 +16,7 @@ from rich.table import Table
 from agoractl import logs
 
 from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load
-from agoractl.cli.launch import FreshOpt, ForceOpt, ResumeStepOpt, app, check_resume_options
+from agoractl.cli.launch import FreshOpt, ForceOpt, ResumeStepOpt, UntilStepOpt, app, check_resume_options
 from agoractl.cli.launch_authorizer import loopback_authorizer
 from agoractl.cli.output import emit, note, stderr, stdout
 from agoractl.errors import UsageError
@@ -157,16 +157,20 @@ def trainer(
 @app.command(epilog="Examples:\n\n  agoractl launch swarm manifests/local-cpu.yaml\n\n"
                     "  agoractl launch swarm manifests/local-cpu.yaml --set local.workers_per_stage=2 --json")
 def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt = None, fresh: FreshOpt = False,
-          force: ForceOpt = False, as_json: JsonOpt = False) -> None:
+          force: ForceOpt = False, until_step: UntilStepOpt = None, as_json: JsonOpt = False) -> None:
     """A whole run on this machine: a DHT seed, local.workers_per_stage workers per stage and local.trainers
     trainers, each its own process on loopback. A worker or trainer that exits is started again (up to
     local.max_restarts times); a run without a step for local.stall_timeout_s ends with exit code 3. Shows
     live progress on a terminal, stops every process on exit, error, Ctrl-C (exit 130) or SIGTERM (143),
     and writes <local.run_dir>/swarm-report.json. Given a store holding this run's checkpoints, it resumes
     from the newest step complete for every stage (or --resume-step): weights, optimizer state, step and
-    schedule, SPARTA round / FGDiLoCo outer state, trainers' data positions."""
+    schedule, SPARTA round / FGDiLoCo outer state, trainers' data positions. With --until-step N it stops
+    after step N (checkpointed there) on the schedule of training.max_steps: the same command without it
+    then continues the run."""
     from agoractl.runtime.swarm import Swarm
 
+    if until_step is not None:  # every node reads it from the manifest overrides
+        set_ = [*(set_ or []), f"training.until_step={until_step}"]
     run = load(manifest, set_)
     check_resume_options(resume_step, fresh)
     _check_store(run, resume_step, fresh, force)  # refusals before anything starts

@@ -142,6 +142,9 @@ class Training(Section):
     """Samples per optimizer step, counted collectively by all replicas of a stage."""
     max_steps: int = Field(100, gt=0)
     """Optimizer steps of the run."""
+    until_step: Optional[int] = Field(None, gt=0)
+    """Stop this launch after this step (a checkpoint is written there) while the schedule still runs to
+    max_steps, so that a later launch without it resumes the same run; null = run to max_steps."""
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
     clipping: Clipping = Clipping()
@@ -149,6 +152,11 @@ class Training(Section):
     """Compute precision: bf16 autocast on CUDA; master weights and moments stay fp32."""
     seed: int = 0
     """Seed of parameter initialisation (identical in every replica of a stage)."""
+
+    @property
+    def stop_step(self) -> int:
+        """The step this launch stops after: until_step, else max_steps."""
+        return self.until_step or self.max_steps
 
 
 class Sparta(Section):
@@ -467,4 +475,6 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
     if run.training.schedule.warmup_steps > run.training.max_steps:
         out.append(("training.schedule.warmup_steps",
                     f"exceeds training.max_steps ({run.training.max_steps})"))
+    if (run.training.until_step or 0) > run.training.max_steps:
+        out.append(("training.until_step", f"exceeds training.max_steps ({run.training.max_steps})"))
     return out

@@ -10,8 +10,8 @@ store before it trains (:func:`plan`):
   whose publisher was killed mid-write falls back with the others), or ``--resume-step N``;
 - checkpoint directories past the resumed step (complete for some stages only, or half-written by a
   killed publisher: the abandoned trajectory) are moved aside too, so the resumed run writes its own;
-- another run's checkpoints, or this run's at or beyond ``training.max_steps``: refused with one
-  line saying what is there and how to proceed (exit 2);
+- another run's checkpoints, or this run's at or beyond ``training.max_steps`` (or the launch's
+  ``training.until_step``): refused with one line saying what is there and how to proceed (exit 2);
 - ``--fresh`` starts over: in an empty store, or with ``--force``, which moves the old checkpoints,
   snapshots and RUN.json aside under ``<store>/aside/<UTC time>/`` (never deletes them);
 - ``--force`` alone resumes from a store whose identity differs or is missing (loading still checks
@@ -93,9 +93,10 @@ def _steps_text(steps: Sequence[int]) -> str:
 
 def decide(here: Mapping[str, Any], there: Optional[Mapping[str, Any]], complete: Mapping[str, Sequence[int]],
            stages: Sequence[str], max_steps: int, url: str, resume_step: Optional[int] = None,
-           fresh: bool = False, force: bool = False) -> tuple[int, str]:
+           fresh: bool = False, force: bool = False, until: Optional[int] = None) -> tuple[int, str]:
     """(step, action) for a launch, from this run's identity `here`, the store's `there` (None when
-    unbound) and its complete checkpoint steps per stage. Raises the one-line refusals."""
+    unbound) and its complete checkpoint steps per stage (`until`: the launch's training.until_step). Raises
+    the one-line refusals."""
     found = {s: sorted(complete.get(s, [])) for s in stages}
     latest_any = max([0, *(max(v) for v in found.values() if v)])
     owner = f"run {there['name']}" if there else "an unrecorded run"
@@ -142,6 +143,10 @@ def decide(here: Mapping[str, Any], there: Optional[Mapping[str, Any]], complete
         raise UsageError(f"run {here['name']} {done}: {url} holds its checkpoints up to step {latest} "
                          f"(training.max_steps is {max_steps})",
                          hint="raise training.max_steps to train further, or pass --fresh --force to start over")
+    if until is not None and latest >= until:
+        raise UsageError(f"run {here['name']} already reached step {latest} ({url}); this launch stops after step "
+                         f"{until} (--until-step / training.until_step)",
+                         hint="raise --until-step, or drop it to train to training.max_steps")
     return latest, "resume"
 
 
@@ -231,7 +236,7 @@ def plan(run: Run, store: Optional[CheckpointStore] = None, stages: Optional[Seq
     here, there = identity(run), read_identity(store)
     complete = {s: store.steps(s) for s in stages}
     step, action = decide(here, there, complete, stages, run.training.max_steps, store.url, resume_step,
-                          fresh, force)
+                          fresh, force, run.training.until_step)
     result = ResumePlan(step, action, store.url, complete, identity=here,
                         forced=force and there is not None and there.get("hash") != here["hash"])
     if action == "resume":

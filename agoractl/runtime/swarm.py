@@ -261,6 +261,7 @@ class Swarm:
             "nodes": [{"name": n.name, "kind": n.kind, "stage": n.stage, "pid": n.proc.pid, "exit_code": n.poll()}
                       for n in self.nodes],
             "stages": stages, "step": steps, "max_steps": self.run.training.max_steps,
+            "until_step": self.run.training.until_step,
             "loss": sum(losses) / len(losses) if losses else None,
             "tokens_per_s": steps * self.run.training.global_batch_size * self.run.model.seq_len / elapsed
             if elapsed > 0 else 0.0,
@@ -380,7 +381,7 @@ class Swarm:
         if failure is not None:
             return failure.message
         if report.get("completed"):
-            return "max_steps reached"
+            return "until_step reached" if self.run.training.until_step else "max_steps reached"
         return self.supervisor.early_end or "the trainers ended before training.max_steps"
 
     def _watch(self, trainers: list[Node]) -> None:

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 from agoractl.algorithms.termination import EXIT_CODES, EXIT_PREEMPTED
 from agoractl.errors import StalledRun
 from agoractl.runtime.records import SERVING_PHASES
-from agoractl.training.node_stats import TrainerNodeStats, WorkerNodeStats
+from agoractl.training.node_stats import FINISHED_REASONS, TrainerNodeStats, WorkerNodeStats
 
 BACKOFF_CAP_S = 60.0
 """The longest wait before a restart, however many restarts came before."""
@@ -243,8 +243,8 @@ class Supervisor:
         stats = _read_stats(node.stats_path)
         if slot.kind == "trainer":
             return (TrainerNodeStats.from_dict(stats).finished_reason if stats else "") or "finished"
-        if stats is not None and WorkerNodeStats.from_dict(stats).step >= self.swarm.run.training.max_steps:
-            return "its stage reached training.max_steps"
+        if stats is not None and WorkerNodeStats.from_dict(stats).step >= self.swarm.run.training.stop_step:
+            return "its stage reached its last step"
         return None
 
     def _exited(self, slot: Slot, node, now: float) -> None:
@@ -256,7 +256,7 @@ class Supervisor:
         if finished is not None:
             slot.settled = True
             entry["how"] = finished
-            if slot.kind == "trainer" and finished != "max_steps reached":
+            if slot.kind == "trainer" and finished not in FINISHED_REASONS:
                 self.early_end = self.early_end or f"{slot.name} ended early: {finished}"
                 self.swarm.on_note(f"{slot.name} ended before training.max_steps: {finished}")
             return

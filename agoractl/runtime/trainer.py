@@ -16,7 +16,8 @@ Tensors on the wire are what the workers send: SSN coordinates (k per token) whe
 set, never a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records
 every ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes
 loss, samples and tokens consumed per shard in the DHT, and stops once every stage has taken
-``training.max_steps`` steps (seen in the workers' replies and records) or its data runs out. When no
+``training.max_steps`` steps (``training.until_step`` when set; seen in the workers' replies and records) or its
+data runs out. When no
 sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable
 DHT), it logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
@@ -47,7 +48,8 @@ from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.transport import StageClient
 from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
-from agoractl.training.node_stats import TrainerNodeStats, TrainerStageStats
+from agoractl.training.data_resume import DrawLog
+from agoractl.training.node_stats import FINISHED_REASONS, TrainerNodeStats, TrainerStageStats
 
 PUBLISH_S = 2.0
 """Seconds between the trainer's DHT records (the swarm's live progress)."""
@@ -70,6 +72,7 @@ class Trainer:
         self._stream = samples
         self.positions = positions
         """Data positions by checkpoint step (:class:`agoractl.training.data_resume.CheckpointPositions`)."""
+        self.draws = DrawLog() if positions is not None else None
         self.resume_step = resume_step
         self.resumed: dict = {"step": resume_step, "source": "ledger"}
         self.dht = node.start_dht(run, node.require_peers(initial_peers, "trainer"), client_mode=True)
@@ -102,7 +105,7 @@ class Trainer:
         return await asyncio.get_running_loop().run_in_executor(self._dht_pool, fn, *args)
 
     def finished(self) -> bool:
-        return all(self.seen_step[s] >= self.run.training.max_steps for s in self.stages)
+        return all(self.seen_step[s] >= self.run.training.stop_step for s in self.stages)
 
     async def discover(self, stage: str) -> None:
         """Refresh one stage's membership from the DHT (workers in weight sync are invisible)."""
@@ -213,7 +216,8 @@ class Trainer:
         self.log.warning("samples lost", stage=stage, direction=direction, samples=n)
         return False
 
-    async def run_sample(self, samples: torch.Tensor, seq_ids: Optional[list] = None) -> bool:
+    async def run_sample(self, samples: torch.Tensor, seq_ids: Optional[list] = None,
+                         draw: Optional[int] = None) -> bool:
         """Forward through every stage, the tail's fused loss and backward, then the pinned backward.
 
         `samples`: one sample [seq_len+1] or a microbatch [m, seq_len+1] (trainers.microbatch)."""
@@ -237,6 +241,8 @@ class Trainer:
         _, out, meta = result
         losses, grad = out["loss"].reshape(-1).tolist(), out["grad"]
         step = int(meta.get("step", 0))
+        if draw is not None:
+            self.draws.counted(draw, step)
         entry = self.stats.loss.setdefault(step, [0.0, 0])
         entry[0] += sum(losses)
         entry[1] += len(losses)
@@ -271,9 +277,10 @@ class Trainer:
             self._stream = trainer_stream(self.run, self.index, position)
         return self._stream
 
-    def _draw(self) -> Optional[tuple[torch.Tensor, list]]:
+    def _draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
         """The next microbatch of trainers.microbatch samples [m, seq_len+1] (fewer at the end of the data),
-        and the samples' [shard, epoch, offset] when trainers.record_sequences."""
+        the samples' [shard, epoch, offset] when trainers.record_sequences, and its draw number."""
+        draw = self.draws.drawn(self._stream.position()) if self.draws and hasattr(self._stream, "position") else None
         drawn, ids = [], []
         for _ in range(self.t.microbatch):
             s = next(self._stream, None)
@@ -284,7 +291,7 @@ class Trainer:
             if self.t.record_sequences and h:
                 h = h[self._stream.current]
                 ids.append([h.shard, h.epoch, h.consumed - s.shape[0]])
-        return (torch.stack(drawn), ids) if drawn else None
+        return (torch.stack(drawn), ids, draw) if drawn else None
 
     async def _mark_checkpoint(self) -> None:
         """Record the data position the first time every stage reached a checkpoint step."""
@@ -292,7 +299,7 @@ class Trainer:
         if step is not None and hasattr(self._stream, "position"):
             try:
                 await asyncio.get_running_loop().run_in_executor(self._data_pool, self.positions.record, step,
-                                                                 self._stream)
+                                                                 self._stream, self.draws)
             except Exception as e:  # a resume would fall back to the last report; training goes on
                 self.positions.last = max(self.positions.last, step)
                 self.log.warning("data position not recorded", step=step, error=f"{type(e).__name__}: {e}")
@@ -307,7 +314,7 @@ class Trainer:
             if drawn is None:
                 self.stats.finished_reason = self.stats.finished_reason or "data exhausted"
                 return
-            batch, seq_ids = drawn
+            batch, seq_ids, draw = drawn
             if self.finished() or self.stop.is_set():
                 return  # drawn but never dispatched: not lost samples
             n = batch.shape[0]
@@ -315,7 +322,7 @@ class Trainer:
             self.stats.first_dispatch = self.stats.first_dispatch or time.time()
             self.in_flight += n
             try:
-                if await self.run_sample(batch, seq_ids):
+                if await self.run_sample(batch, seq_ids, draw):
                     self.stats.completed += n
                     self.stats.last_completion = time.time()
                     self.stall.observe(self.stats.completed, time.monotonic())
@@ -413,7 +420,7 @@ class Trainer:
                 task.cancel()
         await self._mark_checkpoint()  # the last step's position (the stages finished)
         if self.finished():
-            self.stats.finished_reason = "max_steps reached"
+            self.stats.finished_reason = FINISHED_REASONS[self.run.training.until_step is not None]
         elif self.stop.is_set():
             self.stats.finished_reason = self.stats.finished_reason or "stopped"
 

@@ -124,7 +124,8 @@ class WorkerNode:
                 node.shutdown_dht(self.dht)
                 raise
             self.log.info("stage state", stage=stage, **self.resumed.facts())
-        self.worker = Worker(run, index, device, step=joined_at or self.resumed.step, phase=phase, role=role)
+        self.worker = Worker(run, index, device, step=joined_at or self.resumed.step, phase=phase, role=role,
+                             restarts=not joined_at)  # the stage resumes from the store: it counts from there
         if self.resumed is not None:
             self.resumed.apply(self.worker)
         self.worker.fault = fault

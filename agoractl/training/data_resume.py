@@ -8,13 +8,18 @@ the trainer records its stream position (:meth:`agoractl.data.stream.TrainerStre
 ``<data.output>/progress/checkpoints-NNNNN.json`` (beside its consumption reports, written
 atomically; the newest ``keep_last + 1`` steps are kept). A resumed trainer opens its stream at the
 position of the resume step, so no sequence is trained twice and none is skipped beyond those in
-flight when the stages passed the step. The file names the store binding it belongs to (RUN.json's
+flight when the stages passed the step. The position recorded is the one before the first sample the
+tail counted toward the checkpoint's step or later (:class:`DrawLog`; such samples are not in the
+checkpoint), so that the resumed run reads them again as an uninterrupted one trains them; when a later
+drawn sample counted toward an earlier step (pipelines overtaking each other), it is the stream's current
+position, skipping the samples in flight. The file names the store binding it belongs to (RUN.json's
 ``bound`` time): positions of a run that was moved aside are never used.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any, Optional
 
 from agoractl import storage
@@ -51,11 +56,15 @@ class CheckpointPositions:
         if self.every <= 0:
             return None
         c = (stage_step // self.every) * self.every
+        until = self.run.training.until_step
+        if until is not None and stage_step >= until:  # the launch's last step is a checkpoint too
+            c = max(c, until)
         return c if c > self.last else None
 
-    def record(self, step: int, stream) -> None:
-        """Keep `stream`'s position for `step` and rewrite the file (atomically)."""
-        self.positions[str(step)] = stream.position()
+    def record(self, step: int, stream, draws: Optional["DrawLog"] = None) -> None:
+        """Keep the position for `step` (`stream`'s, or the one `draws` knows to be exact) and rewrite the
+        file (atomically)."""
+        self.positions[str(step)] = draws.position_at(step, stream.position()) if draws else stream.position()
         self.last = max(self.last, step)
         keep = sorted(self.positions, key=int)[-(self.run.checkpoints.keep_last + 1):]
         self.positions = {k: self.positions[k] for k in keep}
@@ -75,3 +84,41 @@ class CheckpointPositions:
             if report.get("trainer") == self.trainer and report.get("position"):
                 return report["position"], "last report"
         return None, "ledger"
+
+
+class DrawLog:
+    """The stream position before each microbatch a trainer drew, and the step the tail counted it toward
+    (None while it has not reached the tail: it will count toward the tail's current step or later, or be
+    lost). Thread-safe: samples are drawn on the trainer's data thread, tail replies come on its loop."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = 0
+        self._entries: dict[int, list] = {}  # draw number -> [position before it, tail step or None]
+
+    def drawn(self, position: dict) -> int:
+        """A microbatch is about to be drawn from `position`: its draw number."""
+        with self._lock:
+            n, self._next = self._next, self._next + 1
+            self._entries[n] = [position, None]
+            return n
+
+    def counted(self, n: int, step: int) -> None:
+        """The tail counted draw `n` toward `step`."""
+        with self._lock:
+            if n in self._entries:
+                self._entries[n][1] = step
+
+    def position_at(self, step: int, current: dict) -> dict:
+        """Where a run resumed at checkpoint `step` reads on: before the first draw not counted toward an
+        earlier step (when none drawn after it was), else `current`. Forgets the draws before that point."""
+        with self._lock:
+            later = [n for n, (_, s) in self._entries.items() if s is None or s >= step]
+            if not later:
+                self._entries.clear()
+                return current
+            first = min(later)
+            exact = not any(s is not None and s < step for n, (_, s) in self._entries.items() if n > first)
+            position = self._entries[first][0] if exact else current
+            self._entries = {n: e for n, e in self._entries.items() if n >= first}
+            return position

@@ -135,7 +135,7 @@ class FGDiLoCoRounds:
         """Begin the current round if the worker starts on a round boundary (else at the next one)."""
         if self.round is not None:  # restored mid-round from a checkpoint
             return
-        if stage_step % self.inner_steps == 0 and stage_step < self.run.training.max_steps:
+        if stage_step % self.inner_steps == 0 and stage_step < self.run.training.stop_step:
             self.begin(stage_step // self.inner_steps)
 
     def outer_state(self) -> dict[str, Any]:
@@ -166,7 +166,7 @@ class FGDiLoCoRounds:
         r = done // self.inner_steps - 1
         if self.round == r:
             self.finish()
-        if done < self.run.training.max_steps:
+        if done < self.run.training.stop_step:
             self.begin(r + 1)
 
     def finish(self) -> None:

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
+FINISHED_REASONS = ("max_steps reached", "until_step reached")
+"""A trainer's ``finished_reason`` when the stages reached the launch's last step (without / with
+``training.until_step``)."""
 
 DETAIL = {"detail": True}
 """Field metadata: kept in the node's stats file, left out of its summary in the run report."""

@@ -1,10 +1,11 @@
 """A worker's periodic writes to the checkpoint store (report §3.3.1.1, §5.7.2; DESIGN §5).
 
 Every ``checkpoints.snapshots_every_steps`` stage steps every worker writes a replica snapshot of
-its master weights (for ``agoractl analyze divergence``); every ``checkpoints.every_steps`` an
-active operator publishes the stage checkpoint (weights and optimizer state) that joining workers
-load; with several operators only one publishes (``publisher``, e.g. the stage's first operator),
-since replicas writing the same step at once would interleave their files. The state is copied on the compute thread, between optimizer steps, and written by one
+its master weights (for ``agoractl analyze divergence``); every ``checkpoints.every_steps`` (and at
+``training.until_step``, where the launch stops) an active operator publishes the stage checkpoint
+(weights and optimizer state) that joining workers load; with several operators only one publishes
+(``publisher``, e.g. the stage's first operator), since replicas writing the same step at once would
+interleave their files. The state is copied on the compute thread, between optimizer steps, and written by one
 background thread, so storage never stalls training; a failed write is logged, never fatal.
 Shared by the SPARTA and FGDiLoCo sides of a worker.
 """
@@ -47,7 +48,9 @@ class ReplicaWrites:
             info = {"phase": phase, "role": self.worker.role, **(meta or {})}
             self.io.submit(self._write, "snapshot", self.store.save_snapshot, self.worker.name, step, self.peer,
                            self._state(), info)
-        if self.worker.role == "operator" and phase == "active" and due(step, c.every_steps) and self.publisher():
+        last = step == self.run.training.until_step and c.every_steps > 0  # the launch stops there: resume from it
+        if self.worker.role == "operator" and phase == "active" and (due(step, c.every_steps) or last) \
+                and self.publisher():
             opt = copy.deepcopy(self.worker.optimizer.state_dict())
             if self.extra_state is not None:
                 opt.update(self.extra_state())

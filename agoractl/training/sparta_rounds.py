@@ -103,7 +103,7 @@ class SpartaRounds:
             self.writes.on_step(done, self.phases.phase,
                                 None if self.last_segment is None else {"last_averaged_segment": self.last_segment})
         # No round after the last step: the stage is done and its workers are leaving.
-        if done % self.cfg.every_steps == 0 and done < self.run.training.max_steps:
+        if done % self.cfg.every_steps == 0 and done < self.run.training.stop_step:
             self.begin(done // self.cfg.every_steps - 1, done)
 
     def collect(self, wait_s: float = 0.0) -> Optional[dict]:

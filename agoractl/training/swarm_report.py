@@ -132,7 +132,7 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
         samples_dispatched=sum(t.dispatched for t in trainers),
         samples_completed=sum(t.completed for t in trainers),
         stages=per_stage, global_batch_size=batch, seq_len=seq_len, max_steps=run.training.max_steps,
-        completed=steps >= run.training.max_steps, faults=merge_faults(trainers),
+        until_step=run.training.until_step, completed=steps >= run.training.stop_step, faults=merge_faults(trainers),
         workers=[summary(w) for w in workers], trainers=[summary(t) for t in trainers],
         **extra,
     )

@@ -71,7 +71,7 @@ class Worker:
     """One stage replica's queues, compute loop, gradient accumulation and optimizer."""
 
     def __init__(self, run: Run, stage_index: int, device: str = "cpu", step: int = 0,
-                 phase: str = "active", role: str = "operator"):
+                 phase: str = "active", role: str = "operator", restarts: bool = False):
         self.run, self.index = run, stage_index
         self.name = run.stage_names()[stage_index]
         self.device = torch.device(device)
@@ -84,7 +84,7 @@ class Worker:
         else:  # master weights and moments on the CPU; the device holds a compute copy
             self.master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in self.params]
         self.optimizer = make_optimizer(self.master, run)
-        self.progress = StageProgress(run.training.global_batch_size, run.training.max_steps, step)
+        self.progress = StageProgress(run.training.global_batch_size, run.training.stop_step, step, restarts)
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role

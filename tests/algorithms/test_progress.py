@@ -73,3 +73,18 @@ def test_a_joiner_starts_at_the_stage_step_and_counts_from_there():
     assert joiner.collective() == 3
     joiner.add(5)
     assert joiner.should_step() and joiner.stage_step() == 4
+
+
+def test_a_stage_restarted_at_a_step_takes_one_batch_per_step_from_there():
+    """A run resumed from its step-4 checkpoint: the lone replica's first step takes one global batch, not
+    the 40 samples of steps 0-4 (a joiner, by contrast, learns what came before from its peers' counts)."""
+    resumed = StageProgress(8, 10, step=4, restarts=True)
+    resumed.add(7)
+    assert resumed.room() == 1 and not resumed.should_step()
+    resumed.add(1)
+    assert resumed.should_step() and resumed.advance() == 8 and resumed.step == 5
+    resumed.add(8)
+    assert resumed.should_step()
+    joiner = StageProgress(8, 10, step=4)
+    joiner.add(8)
+    assert not joiner.should_step()  # no peer counts: it waits for a replica ahead

@@ -56,3 +56,12 @@ def test_json_schema_documents_fields():
     sparta = schema["$defs"]["Sparta"]["properties"]["fraction"]
     assert "segments" in sparta["description"]
     assert schema["$defs"]["Sparta"]["additionalProperties"] is False
+
+
+def test_until_step_stops_a_launch_within_max_steps():
+    from agoractl.manifest.schema import Training
+
+    assert Run().training.stop_step == Run().training.max_steps
+    assert Run(training=Training(max_steps=40, until_step=20)).training.stop_step == 20
+    with pytest.raises(ValueError, match="training.until_step: exceeds training.max_steps"):
+        Run(training=Training(max_steps=10, until_step=20))

@@ -33,6 +33,7 @@ def test_decide_resumes_from_the_newest_step_complete_for_every_stage():
     assert decide({s: [20, 40] for s in STAGES}, resume_step=20) == (20, "resume")
     assert decide({s: [20] for s in STAGES}, there=HERE, fresh=True, force=True) == (0, "start-over")
     assert decide({}, there=None, fresh=True) == (0, "new")
+    assert decide({s: [20] for s in STAGES}, until=40) == (20, "resume")  # a launch stopping at 40
 
 
 @pytest.mark.parametrize("kw, error, words", [
@@ -44,6 +45,7 @@ def test_decide_resumes_from_the_newest_step_complete_for_every_stage():
     ({"fresh": True}, UsageError, "--fresh starts over only in an empty store"),
     ({"resume_step": 30}, UsageError, "no checkpoint at that step"),
     ({"resume_step": 80}, UsageError, "beyond training.max_steps"),
+    ({"until": 40}, UsageError, "already reached step 40"),
 ])
 def test_decide_refuses_in_one_line(kw, error, words):
     with pytest.raises(error) as e:
@@ -62,7 +64,8 @@ def test_decide_names_the_stages_missing_from_an_incomplete_step():
 
 def test_identity_ignores_max_steps_but_not_the_model_or_data_order():
     base = load_manifest(MANIFEST, [])
-    assert resume.identity(base) == resume.identity(load_manifest(MANIFEST, ["training.max_steps=999"]))
+    for same in ("training.max_steps=999", "training.until_step=20"):
+        assert resume.identity(base) == resume.identity(load_manifest(MANIFEST, [same])), same
     for change in ("model.d_model=32", "data.seed=7", "trainers.count=3", "metadata.name=x"):
         assert resume.identity(load_manifest(MANIFEST, [change])) != resume.identity(base), change
 

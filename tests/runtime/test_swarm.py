@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -83,13 +84,14 @@ def procs():
 
 
 def run_swarm(procs: Procs, run_dir: Path, values: list[str], timeout: float = 420.0,
-              manifest: Path = MANIFEST) -> tuple[subprocess.Popen, Path]:
-    """Start `launch swarm --json` in the background; returns the process and its status file."""
+              manifest: Path = MANIFEST, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, Path]:
+    """Start `launch swarm --json` (and `extra` options) in the background; returns the process and its
+    status file."""
     status = run_dir / "swarm" / "status.json"
     procs.status_files.append(status)
     # Its own store: a store holding a finished run's checkpoints is resumed from, or refused.
     own = [f"checkpoints.store={run_dir / 'store'}", *values, f"local.run_dir={run_dir}"]
-    p = procs.start(agoractl("launch", "swarm", str(manifest), *sets(own), "--json"),
+    p = procs.start(agoractl("launch", "swarm", str(manifest), *sets(own), *extra, "--json"),
                     stdout=subprocess.PIPE, stderr=open(run_dir.parent / f"{run_dir.name}-swarm.err", "wb"))
     p.deadline = time.monotonic() + timeout
     return p, status
