@@ -1,0 +1,3 @@
+"""The Health Monitor (report §3.6.2): a utility node that reads the run's DHT records on an interval and keeps
+their history in a database (presence, verified trainer progress counted once, FLOPs contributed, alerts).
+Imported only by ``agoractl launch health`` and ``agoractl status`` (it needs the ``services`` extra)."""
