@@ -45,6 +45,7 @@ from agoractl.errors import StalledRun
 from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.algorithms.balancer import Balancer
+from agoractl.runtime.metrics import NodeMetrics, trainer_sample
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.transport import StageClient
@@ -90,6 +91,8 @@ class Trainer:
         self.cpu_at_start: dict = {}
         self._recent_loss: list[float] = []
         self.key = node_key.load_or_create()
+        self.last_loss: Optional[float] = None
+        self.metrics = NodeMetrics(run, "trainer", "", node_key.instance_id(self.key), trainer_sample(self))
         self.stats.session, self.seq = secrets.token_hex(8), 0
         self._dht_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-dht")
         self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-data")
@@ -330,6 +333,7 @@ class Trainer:
 
     def record(self, done: bool = False) -> TrainerRecord:
         recent, self._recent_loss = self._recent_loss, []
+        self.last_loss = sum(recent) / len(recent) if recent else self.last_loss
         tail_step = max(self.stats.loss, default=0)
         tokens = getattr(self._stream, "tokens_consumed", lambda: {})()
         self.seq += 1
@@ -433,8 +437,12 @@ class Trainer:
         node.watch_parent(self.stop)
         try:
             self._open_stream()
+            url = self.metrics.start(self.admitted.current if self.admitted is not None else lambda: None)
+            if url:
+                self.log.info("metrics served", url=url, instance=self.metrics.labels["instance"])
             asyncio.run(self._main())
         finally:
+            self.metrics.stop()
             final = self.final_stats()
             final.cpu_s, final.cpu_at_start_s = node.cpu_seconds(), self.cpu_at_start
             stats = final.to_dict()
