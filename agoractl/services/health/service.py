@@ -64,6 +64,12 @@ def serve(run: Run, initial_peers: Sequence[str], stop: threading.Event, ticks: 
             except Exception as e:  # one failed read (DHT timeout, database hiccup) is not the end
                 log.warning("interval failed", error=f"{type(e).__name__}: {e}")
             stop.wait(max(0.0, run.monitoring.interval_s - (time.monotonic() - t0)))
+        if stop.is_set():  # one last read on the way out: the trainers' final reports
+            try:
+                monitor.tick(read(records, stages, admitted))
+                done += 1
+            except Exception as e:
+                log.warning("last interval failed", error=f"{type(e).__name__}: {e}")
     finally:
         node.shutdown_dht(dht)
         engine.dispose()
