@@ -176,10 +176,10 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
     run, set_, authorizer = loopback_authorizer(run, manifest, set_)  # admission on, no URL: one on loopback
     stack = None
     if run.monitoring.enabled:
-        from agoractl.cli.launch_health import monitoring_stack  # prometheus, fastapi: only when asked for
+        from agoractl.services.health import stack as monitoring  # prometheus, fastapi: only when asked for
 
         try:
-            stack, set_ = monitoring_stack(run, set_)
+            stack, set_ = monitoring.for_swarm(run, set_, note)
         except BaseException:
             if authorizer is not None:
                 authorizer.stop()

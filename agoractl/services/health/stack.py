@@ -6,6 +6,8 @@ nodes register as file_sd targets in ``<run_dir>/monitoring/targets``; the push 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -17,6 +19,7 @@ from typing import Optional
 import httpx
 
 from agoractl.errors import RuntimeFailure
+from agoractl.runtime.metrics import PUSH_TOKEN_ENV
 from agoractl.services.health import RULES
 
 PACKAGES = {"prometheus": "prometheus", "prometheus-pushgateway": "prometheus-pushgateway",
@@ -63,7 +66,8 @@ def prometheus_config(targets_dir: Path, pushgateway: Optional[str], interval_s:
 
 @dataclass
 class Stack:
-    """Running push gateway and Prometheus (``stop`` ends both)."""
+    """Running push gateway and Prometheus (``stop`` ends both). They stay in the caller's process group, so a
+    launcher killed as a group (SIGKILL to ``launch swarm``'s group) takes them along."""
 
     root: Path
     procs: list = field(default_factory=list)
@@ -74,8 +78,11 @@ class Stack:
     def start_pushgateway(self, port: int = 0) -> str:
         port = port or free_port()
         log = open(self.root / "pushgateway.log", "ab")
-        proc = subprocess.Popen([binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own persistence file: Debian's default (/var/lib/prometheus/pushgateway.data) is shared by every
+        # gateway on the machine.
+        proc = subprocess.Popen([binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
+                                 f"--persistence.file={self.root / 'pushgateway.data'}"],
+                                stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.pushgateway_url = f"http://127.0.0.1:{port}"
         wait_ready(self.pushgateway_url + "/-/ready", proc, "prometheus-pushgateway")
@@ -93,7 +100,7 @@ class Stack:
         proc = subprocess.Popen([binary("prometheus"), f"--config.file={self.root / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={self.root / 'tsdb'}",
                                  f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.prometheus_url = f"http://127.0.0.1:{port}"
         wait_ready(self.prometheus_url + "/-/ready", proc, "prometheus")
@@ -110,3 +117,51 @@ class Stack:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+
+
+def for_swarm(run, set_, note):
+    """For `launch swarm` with monitoring.enabled: a push gateway behind the push gate, and a Prometheus server
+    scraping the swarm's nodes (each serves /metrics and registers in <run_dir>/monitoring/targets) with the
+    shipped alert rules. Returns (stack, overrides for the nodes); prints the URLs. The swarm starts the Health
+    Monitor itself (a utility node)."""
+    from agoractl.services.authorizer.server import Background  # uvicorn, fastapi
+    from agoractl.services.health import push_gate
+    from agoractl.services.health.db import database_url
+
+    root = Path(run.local.run_dir).resolve() / "monitoring"
+    shutil.rmtree(root / "targets", ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    stack = Stack(root)
+    try:
+        gateway = stack.start_pushgateway()
+        os.environ.setdefault(PUSH_TOKEN_ENV, secrets.token_urlsafe(24))  # the nodes inherit it
+        gate = Background(push_gate.create_app(run, gateway, run.admission.authority_public_key))
+        stack.procs.append(_Stoppable(gate))
+        prometheus = stack.start_prometheus(run.monitoring.scrape_interval_s)
+    except BaseException:
+        stack.stop()
+        raise
+    note(f"monitoring: Prometheus {prometheus} (alerts {prometheus}/api/v1/alerts), push gateway {gateway} "
+         f"(contributors push through {gate.url} with a bearer token), health database {database_url(run)}; "
+         f"`agoractl status FILE` summarizes it")
+    return stack, [*(set_ or []), "monitoring.metrics_port=0", f"monitoring.targets_dir={stack.targets_dir}"]
+
+
+class _Stoppable:
+    """The push gate (a uvicorn thread) as one of the stack's processes."""
+
+    def __init__(self, server) -> None:
+        self.server, self.returncode = server, None
+
+    def poll(self):
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.server.stop()
+        self.returncode = 0
+
+    def wait(self, timeout=None) -> int:
+        return 0
+
+    def kill(self) -> None:
+        pass
