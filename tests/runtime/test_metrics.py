@@ -50,3 +50,24 @@ def test_served_metrics_carry_the_four_labels_and_the_node_values(tmp_path):
 def test_every_metric_is_in_the_docs_table():
     documented = set(re.findall(r"^\| `(agora_[a-z_]+)` \|", (ROOT / "docs" / "metrics.md").read_text(), re.M))
     assert documented == set(METRICS)
+
+
+def test_a_restarted_swarm_slot_keeps_its_key_and_instance(tmp_path):
+    """`launch swarm` hands each node slot one key file: its restart (name ``<slot>.r1``) gets the same one, so
+    its metrics ``instance`` does not change. Real subprocesses reading the environment they were given."""
+    import subprocess
+    import sys
+
+    from agoractl.auth import node_key
+    from agoractl.runtime.swarm import Swarm
+
+    swarm = Swarm(Run.model_validate({"local": {"run_dir": str(tmp_path)}}), ROOT / "manifests" / "local-cpu.yaml", [])
+    (swarm.dir / "logs").mkdir(parents=True)
+    show = [sys.executable, "-c", "import os; print(os.environ['AGORA_NODE_KEY'])"]
+    paths = []
+    for name in ("worker-body-1-0", "worker-body-1-0.r1", "worker-tail-0"):
+        n = swarm._spawn(name, "worker", show, stdout=subprocess.PIPE)
+        paths.append(n.proc.communicate(timeout=60)[0].decode().strip())
+    assert paths[0] == paths[1] != paths[2]
+    first = node_key.instance_id(node_key.load_or_create(paths[0]))
+    assert node_key.instance_id(node_key.load_or_create(paths[1])) == first
