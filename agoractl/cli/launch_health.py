@@ -23,7 +23,8 @@ def health(manifest: ManifestArg, set_: SetOpt = None, initial_peers: PeersOpt =
     stop = threading.Event()
     node.stop_on_signals(stop)
     node.watch_parent(stop)
+    peers = node.require_peers(initial_peers or run.network.initial_peers, "health monitor")
     note(f"health monitor: run {run.metadata.name}, every {run.monitoring.interval_s:g} s "
          f"(database {service.database_url(run)})")
-    service.serve(run, initial_peers or run.network.initial_peers, stop)
+    service.serve(run, peers, stop)
 

@@ -47,8 +47,13 @@ def admitted_source(run: Run):
 
 def serve(run: Run, initial_peers: Sequence[str], stop: threading.Event, ticks: Optional[int] = None) -> int:
     """Read the run every interval until STOP (or TICKS intervals); returns the intervals done."""
+    peers = node.require_peers(initial_peers, "health monitor")
     engine = open_database(run)
-    dht = node.start_dht(run, node.require_peers(initial_peers, "health monitor"), client_mode=True)
+    try:
+        dht = node.start_dht(run, peers, client_mode=True)
+    except BaseException:
+        engine.dispose()
+        raise
     log = logs.get("health")
     logs.bind(run=run.metadata.name, role="health", peer=dht.peer_id.to_base58()[-8:])
     records, stages, admitted = RunRecords(dht, run.metadata.name), run.stage_names(), admitted_source(run)
