@@ -8,8 +8,10 @@ from agoractl.errors import UsageError
 
 
 def status(manifest: ManifestArg, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
-    """Stages (serving replicas, phases, step), nodes, samples, loss, tokens/s, FLOPs and active alerts, as the
-    Health Monitor (`agoractl launch health`) last recorded them."""
+    """A live summary of a running swarm from the Health Monitor's database.
+
+    Stages (serving replicas, phases, step), nodes, samples, loss, tokens/s, FLOPs and active alerts, as the
+    Health Monitor (`agoractl launch health`, or `launch swarm` with monitoring.enabled) last recorded them."""
     run = load(manifest, set_)
     from agoractl.services.health.db import open_database
 
