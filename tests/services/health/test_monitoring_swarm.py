@@ -84,6 +84,8 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
     finally:
         node.shutdown_dht(dht)
     wait_status(status_path, p, lambda s: any(n["name"] == "health.r1" for n in s["nodes"]), timeout=30)
+    t_restart = time.time()  # the restarted monitor writes again (its DHT up) before the worker is killed
+    _wait(lambda: _rows(db, "SELECT id FROM health_snapshots WHERE at > ?", t_restart), 180, "the restarted monitor")
 
     # Prometheus sees every node with the four labels, instance = its slot key's.
     def series():
