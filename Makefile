@@ -12,11 +12,18 @@ $(BIN)/agoractl: pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
-.PHONY: install demo test
+# Debian packages the tests and `launch swarm`'s monitoring use (promtool, Prometheus, its push gateway),
+# installed when missing (apt-get as root, else through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+.PHONY: install demo test system-packages
 install: $(BIN)/agoractl
+
+system-packages:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null \
+	  || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q prometheus prometheus-pushgateway; }
 
 demo: install
 	$(BIN)/agoractl demo
 
-test: install
+test: install system-packages
 	$(BIN)/python -m pytest

@@ -178,15 +178,28 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
     run, set_, authorizer = loopback_authorizer(run, manifest, set_)  # admission on, no URL: one on loopback
+    stack = None
+    if run.monitoring.enabled:
+        from agoractl.services.health import stack as monitoring  # prometheus, fastapi: only when asked for
+
+        try:
+            stack, set_ = monitoring.for_swarm(run, set_, note)
+        except BaseException:
+            if authorizer is not None:
+                authorizer.stop()
+            raise
+        run = load(manifest, set_)
     note(f"swarm: {run.metadata.name}, {len(run.stages)} stages x {run.local.workers_per_stage} workers, "
          f"{run.local.trainers} trainers, {run.training.max_steps} steps of {run.training.global_batch_size} samples")
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
         try:
             report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note,
-                           resume=(resume_step, fresh, force)).run_swarm()
+                           resume=(resume_step, fresh, force), utility=("health",) if stack else ()).run_swarm()
         finally:
             if authorizer is not None:
                 authorizer.stop()
+            if stack is not None:
+                stack.stop()
     emit(report, as_json, _render_swarm)
 
 

@@ -55,7 +55,10 @@ COMMANDS: dict[str, Entry] = {
                       "Validate a run manifest, print its JSON Schema, or plan what it costs."),
     "launch": Entry("agoractl.cli.launch", "app",
                     "Start nodes of a run, a whole local swarm, or the centralized reference.",
-                    extra=("agoractl.cli.launch_nodes", "agoractl.cli.launch_authorizer")),  # dht|worker|...
+                    extra=("agoractl.cli.launch_nodes", "agoractl.cli.launch_authorizer",
+                           "agoractl.cli.launch_health")),  # dht|worker|...
+    "status": Entry("agoractl.cli.status", "status",
+                    "A live summary of a running swarm from the Health Monitor's database."),
     "checkpoint": Entry("agoractl.cli.checkpoint", "app",
                         "Publish, fetch and list stage checkpoints in checkpoints.store (local, file:// or s3://)."),
     "analyze": Entry("agoractl.cli.analyze", "app",

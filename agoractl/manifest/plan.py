@@ -67,6 +67,25 @@ def stage_counts(run: Run, index: int) -> StageCounts:
     return StageCounts(trainable, dense, buffers)
 
 
+def stage_flops_per_sample(run: Run, index: int) -> int:
+    """Model FLOPs to train one sample (seq_len tokens) through stage `index`: forward 2 FLOPs per multiply-add
+    of every dense-equivalent matmul weight (blocks; the tail's LM head) plus attention's scores and weighted
+    sum (2 * 2 * seq_len * d per token and block, causal mask not discounted); training = 3 x forward (the
+    backward costs two forwards). The worker's recompute of the forward in its backward is NOT counted (model
+    FLOPs, as MFU counts them): it executes 4 x forward, see executed_flops_per_sample in the plan."""
+    m, stage = run.model, run.stages[index]
+    T, d = m.seq_len, m.d_model
+    if m.family == "surrogate":
+        weights = stage.layers * surrogate_layer_params(m)
+        attention = 0
+    else:
+        weights = stage.layers * block_params(m, None)
+        attention = stage.layers * 2 * 2 * T * d
+    if stage.role == "tail":
+        weights += d * m.vocab_size
+    return 3 * T * (2 * weights + attention)
+
+
 def boundary_bytes_per_token(run: Run, wire_bytes: int = FP32) -> dict:
     """Activation bytes per token crossing one stage boundary: dense (d values) vs SSN (k values).
 
@@ -128,6 +147,8 @@ def make_plan(run: Run, a_f: float = 3, a_b: float = 3, ar_time_s: float = 10, a
             if run.data_parallel.method == "sparta" else 0,
             "required_bandwidth_mbps": required_bandwidth_mbps(run, c, a_f, a_b, ar_time_s, ar_params),
             "clip_threshold": run.clip_threshold(i),
+            "flops_per_sample": stage_flops_per_sample(run, i),
+            "executed_flops_per_sample": stage_flops_per_sample(run, i) * 4 // 3,
         })
     worst = contributor_stage(run)
     return {

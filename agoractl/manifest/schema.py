@@ -14,6 +14,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from agoractl.manifest.admission import Admission, admission_errors
+from agoractl.manifest.monitoring import Monitoring
 
 API_VERSION = "agoractl/v1"
 KIND = "Run"
@@ -377,6 +378,7 @@ class Run(Section):
     trainers: Trainers = Trainers()
     validation: Validation = Validation()
     admission: Admission = Admission()
+    monitoring: Monitoring = Monitoring()
     data: Data = Data()
     checkpoints: Checkpoints = Checkpoints()
     network: Network = Network()

@@ -10,7 +10,9 @@ that stops refreshing its record disappears from every reader's view on its own:
   ``role`` (operator or contributor), step and throughput.
 - ``<run>.<stage>.progress``: ``{step, total}`` per replica (its step and cumulative samples), the
   stage's collective progress toward the global batch (:mod:`agoractl.algorithms.progress`).
-- ``<run>.trainers``: one :class:`TrainerRecord` per trainer: loss, samples, tokens per shard.
+- ``<run>.trainers``: one :class:`TrainerRecord` per trainer: loss, samples, tokens per shard. Owner-signed:
+  the trainer signs each record with its node key (:mod:`agoractl.auth.node_key`) and numbers it (``session``,
+  ``seq``), so the Health Monitor counts each report once and flags one that does not verify.
 
 Values are plain dicts (msgpack); readers tolerate missing or extra fields (other versions).
 """
@@ -114,11 +116,36 @@ class TrainerRecord:
     faults: dict = field(default_factory=dict)
     """Rejected replies per worker ({peer: {"stage": s, reason: count}}), for the Health Monitor and the
     Authorizer (a node with faults should not have its credential renewed)."""
+    session: str = ""
+    """Random per trainer process: a restarted trainer's counters start again under a new session."""
+    seq: int = 0
+    """Report number within the session (1, 2, ...): a reader counts each (session, seq) once."""
+    loss_sum: float = 0.0
+    """Cumulative sum of per-sample losses this session (the trainer's stats' loss sums, added up)."""
+    loss_samples: int = 0
+    """Samples in loss_sum."""
+    key: str = ""
+    """The trainer's node public key (:mod:`agoractl.auth.node_key`); empty on an unsigned record."""
+    sig: str = ""
+    """Ed25519 signature by `key` over every other field."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["tokens"] = {str(k): int(v) for k, v in self.tokens.items()}
         return d
+
+    def signed(self, key) -> dict:
+        """The record as published: owner-signed with the node's private KEY."""
+        from agoractl.auth import node_key
+
+        return node_key.sign(key, {**self.to_dict(), "key": "", "sig": ""})
+
+    @staticmethod
+    def verified(d: Any) -> bool:
+        """True when the raw record D carries a valid signature of the key it names."""
+        from agoractl.auth import node_key
+
+        return isinstance(d, dict) and node_key.verify(d)
 
     @classmethod
     def from_dict(cls, d: Any) -> Optional["TrainerRecord"]:
@@ -185,13 +212,22 @@ class RunRecords:
 
     # -- trainers -----------------------------------------------------------------------------
 
-    def publish_trainer(self, record: TrainerRecord, ttl_s: float) -> bool:
-        return self._store(trainers_key(self.run), record.to_dict(), ttl_s, str(record.trainer))
+    def publish_trainer(self, record: TrainerRecord, ttl_s: float, key=None) -> bool:
+        """Store RECORD under its trainer index; owner-signed when the node's private KEY is given."""
+        value = record.signed(key) if key is not None else record.to_dict()
+        return self._store(trainers_key(self.run), value, ttl_s, str(record.trainer))
 
     def trainers(self) -> dict[int, TrainerRecord]:
+        return {i: rec for i, (rec, _) in self.trainer_reports().items()}
+
+    def trainer_reports(self) -> dict[int, tuple[TrainerRecord, bool]]:
+        """{trainer index: (record, whether its owner signature verifies)}."""
         out = {}
         for key, value in _entries(self._get(trainers_key(self.run))).items():
             rec = TrainerRecord.from_dict(value)
             if rec is not None:
-                out[int(key)] = rec
+                try:
+                    out[int(key)] = (rec, TrainerRecord.verified(value))
+                except ValueError:
+                    continue
         return out

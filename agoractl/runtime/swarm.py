@@ -27,11 +27,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import psutil
 
 from agoractl import storage
+from agoractl.auth.node_key import NODE_KEY_ENV
 from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, StalledRun, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
@@ -51,6 +52,9 @@ TRAINER_GRACE_S = 10.0
 STALLED_GRACE_S = 5.0
 """A stalled run stops faster: nothing is in flight that a live worker could finish, so every node gets
 SIGTERM at once and this long before SIGKILL (the launcher ends within ``local.stall_timeout_s`` + 10 s)."""
+UTILITY_GRACE_S = 15.0
+"""Seconds a utility node (the Health Monitor: one last read of the trainers' final reports) gets to stop,
+between the trainers and the workers (whose grace then starts)."""
 
 
 @dataclass
@@ -93,8 +97,11 @@ class Swarm:
     def __init__(self, run: Run, manifest: Path, overrides: list[str],
                  on_progress: Optional[Callable[[dict], None]] = None,
                  on_note: Callable[[str], None] = lambda message: None,
-                 resume: tuple[Optional[int], bool, bool] = (None, False, False)):
+                 resume: tuple[Optional[int], bool, bool] = (None, False, False), utility: Sequence[str] = ()):
         self.run, self.manifest, self.overrides = run, Path(manifest).resolve(), list(overrides)
+        self.utility = tuple(utility)
+        """Utility nodes (``launch KIND``) started right after the seed, e.g. ``health``; stopped after the
+        trainers, before the workers (so the Health Monitor reads the trainers' final reports)."""
         self.on_progress, self.on_note = on_progress, on_note
         self.dir = Path(run.local.run_dir) / "swarm"
         self.nodes: list[Node] = []
@@ -127,6 +134,8 @@ class Swarm:
                stdout=subprocess.DEVNULL) -> Node:
         log_path = self.dir / "logs" / f"{name}.log"
         env = {**os.environ, node.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        if kind in ("worker", "trainer"):  # one key per slot: a restarted node keeps its metrics instance
+            env[NODE_KEY_ENV] = str(self.dir / "keys" / f"{name.split('.r', 1)[0]}.key")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=stdout, stderr=log, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)  # own process group: killed as a whole
@@ -180,18 +189,29 @@ class Swarm:
         n.stats_path = stats
         return n
 
+    def _restart_utility(self) -> None:
+        """A utility node that exited mid-run (killed, crashed) is started again at once (it keeps no state of its
+        own: the Health Monitor's is in its database)."""
+        for kind in self.utility:
+            runs = [n for n in self.nodes if n.kind == kind]
+            if runs and runs[-1].poll() is not None:
+                self.on_note(f"{runs[-1].name} exited with code {runs[-1].exit_code}; starting it again")
+                self._spawn(f"{kind}.r{len(runs)}", kind, self._argv(kind, *self._peer_args()))
+
     def _peer_args(self) -> list[str]:
         return [a for m in self.maddrs for a in ("--initial-peers", m)]
 
     def stop_all(self, stalled: bool = False) -> None:
         """SIGTERM every node we started (the node itself: it stops its DHT process and p2pd in order) —
-        trainers first, so their in-flight samples finish on live workers, then workers and the seed —
+        trainers first, so their in-flight samples finish on live workers, then utility nodes (the Health
+        Monitor), then workers and the seed —
         then SIGKILL each node's whole process group, whatever is left of it after the grace period.
         A `stalled` run has nothing in flight: every node at once, :data:`STALLED_GRACE_S` of grace."""
-        last = time.monotonic() + (STALLED_GRACE_S if stalled else STOP_GRACE_S)
-        order = ((("trainer", "worker", "dht"), last),) if stalled else (
-            (("trainer",), time.monotonic() + TRAINER_GRACE_S), (("worker", "dht"), last))
-        for kinds, deadline in order:
+        order = ((("trainer", "worker", "dht", *self.utility), STALLED_GRACE_S),) if stalled else (
+            (("trainer",), TRAINER_GRACE_S), (self.utility, UTILITY_GRACE_S),
+            (("worker", "dht"), STOP_GRACE_S - TRAINER_GRACE_S))
+        for kinds, grace_s in order:
+            deadline = time.monotonic() + grace_s
             alive = [n for n in self.nodes if n.kind in kinds and n.poll() is None]
             for n in alive:
                 try:
@@ -336,6 +356,8 @@ class Swarm:
             self.dht = node.start_dht(self.run, self.maddrs, client_mode=True)
             self.records = RunRecords(self.dht, self.run.metadata.name)
             self.on_note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
+            for kind in self.utility:
+                self._spawn(kind, kind, self._argv(kind, *self._peer_args()))
             for s in self.run.stage_names():
                 for i in range(self.run.local.workers_per_stage):
                     self.start_worker(s, f"worker-{s}-{i}")
@@ -388,6 +410,7 @@ class Swarm:
         last_status = 0.0
         while True:
             self.supervisor.tick()  # exited nodes started again; StalledRun when nothing moves
+            self._restart_utility()
             trainers = self.supervisor.trainers()
             done = [t for t in trainers if self.supervisor.settled(t)]
             if time.monotonic() - last_status >= STATUS_S or len(done) == len(trainers):

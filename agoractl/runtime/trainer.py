@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import secrets
 import threading
 import time
 from typing import Iterator, Optional, Sequence
@@ -40,10 +41,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from agoractl import logs
+from agoractl.auth import node_key
 from agoractl.errors import StalledRun
 from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.algorithms.balancer import Balancer
+from agoractl.runtime.metrics import NodeMetrics, trainer_sample
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.transport import StageClient
@@ -90,6 +93,10 @@ class Trainer:
         self.in_flight = 0
         self.cpu_at_start: dict = {}
         self._recent_loss: list[float] = []
+        self.key = node_key.load_or_create()
+        self.last_loss: Optional[float] = None
+        self.metrics = NodeMetrics(run, "trainer", "", node_key.instance_id(self.key), trainer_sample(self))
+        self.stats.session, self.seq = secrets.token_hex(8), 0
         self._dht_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-dht")
         self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-data")
         self._last_discovery = {s: float("-inf") for s in self.stages}
@@ -247,6 +254,8 @@ class Trainer:
         entry[0] += sum(losses)
         entry[1] += len(losses)
         self._recent_loss.extend(losses)
+        self.stats.loss_sum += sum(losses)
+        self.stats.loss_samples += len(losses)
         for i in reversed(range(len(self.stages) - 1)):
             stage = self.stages[i]
             tensors = {"ids": ids, "grad": grad, **({"wire": inputs[i]} if inputs[i] is not None else {})}
@@ -331,19 +340,24 @@ class Trainer:
 
     def record(self, done: bool = False) -> TrainerRecord:
         recent, self._recent_loss = self._recent_loss, []
+        self.last_loss = sum(recent) / len(recent) if recent else self.last_loss
         tail_step = max(self.stats.loss, default=0)
         tokens = getattr(self._stream, "tokens_consumed", lambda: {})()
+        self.seq += 1
         return TrainerRecord(trainer=self.index, peer=self.peer, dispatched=self.stats.dispatched,
                              completed=self.stats.completed, lost=self.stats.lost, in_flight=self.in_flight,
                              loss=sum(recent) / len(recent) if recent else None, tail_step=tail_step,
-                             tokens=tokens, pid=os.getpid(), done=done, faults=self.faults.counts)
+                             tokens=tokens, pid=os.getpid(), done=done, faults=self.faults.counts,
+                             session=self.stats.session, seq=self.seq, loss_sum=self.stats.loss_sum,
+                             loss_samples=self.stats.loss_samples)
 
     async def _publish_loop(self) -> None:
         last_data_report = time.monotonic()
         while not self.stop.is_set():
             await asyncio.sleep(PUBLISH_S)
             try:
-                await self._dht(self.records.publish_trainer, self.record(), 10 * PUBLISH_S + self.t.discovery_period_s)
+                await self._dht(self.records.publish_trainer, self.record(), 10 * PUBLISH_S + self.t.discovery_period_s,
+                                self.key)
             except Exception as e:
                 self.log.warning("publishing progress failed", error=f"{type(e).__name__}: {e}")
             if time.monotonic() - last_data_report > DATA_REPORT_S:
@@ -430,13 +444,17 @@ class Trainer:
         node.watch_parent(self.stop)
         try:
             self._open_stream()
+            url = self.metrics.start(self.admitted.current if self.admitted is not None else lambda: None)
+            if url:
+                self.log.info("metrics served", url=url, instance=self.metrics.labels["instance"])
             asyncio.run(self._main())
         finally:
+            self.metrics.stop()
             final = self.final_stats()
             final.cpu_s, final.cpu_at_start_s = node.cpu_seconds(), self.cpu_at_start
             stats = final.to_dict()
             try:
-                self.records.publish_trainer(self.record(done=True), 60.0)
+                self.records.publish_trainer(self.record(done=True), 60.0, self.key)
             except Exception:
                 pass
             if hasattr(self._stream, "position"):

@@ -39,12 +39,14 @@ from typing import Optional, Sequence
 import torch
 
 from agoractl import logs
+from agoractl.auth import node_key
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.runtime.averaging import stage_averager
 from agoractl.runtime.averaging_auth import admitted_averager
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
+from agoractl.runtime.metrics import NodeMetrics, worker_sample
 from agoractl.training.pipeline_writes import PipelineWrites
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.runtime.sparta_worker import SpartaWorker
@@ -153,6 +155,9 @@ class WorkerNode:
             self.data_parallel = PipelineWrites(run, self.worker, self.peer)
         if self.resumed is not None and self.resumed.checkpoint is not None:
             self.data_parallel.join_facts = self.resumed.facts()
+        self.metrics = NodeMetrics(run, "worker", stage, node_key.instance_id(node_key.load_or_create()),
+                                   worker_sample(self))
+        self.worker.listeners.append(self.metrics)
         self.started = time.time()
         self.cpu_at_ready: dict = {}
         self.cpu_at_first_request: Optional[dict] = None
@@ -328,6 +333,9 @@ class WorkerNode:
         if self.data_parallel is not None:
             self.data_parallel.start()
         self.cpu_at_ready = node.cpu_seconds()
+        metrics_url = self.metrics.start(self.admitted.current if self.admitted is not None else lambda: None)
+        if metrics_url:
+            self.log.info("metrics served", url=metrics_url, instance=self.metrics.labels["instance"])
         gc.freeze()  # start-up's objects live as long as the process: keep them out of every collection
         gc.set_threshold(*DEFAULT_GC_THRESHOLDS)  # the CLI raised gen 0's for start-up
         self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
@@ -347,6 +355,7 @@ class WorkerNode:
             self.worker.fail_pending(RuntimeError(f"worker of stage {self.stage} is shutting down"))
             self._dht_call(self.records.withdraw_worker, self.stage, self.peer)
             self._serve_stop.set()
+            self.metrics.stop()
             sync.join(timeout=5)
             if self.data_parallel is not None:
                 self.data_parallel.shutdown()

@@ -1,0 +1,1 @@
+"""Alembic environment of the Health Monitor's database."""
