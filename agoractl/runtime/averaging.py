@@ -141,8 +141,12 @@ class StageAllReduce(AllReduceRunner):
                 problem = part_problem(tensor_part, own, part_multiple)
                 if problem is not None:
                     self.dropped_parts += 1
-                    self.tensor_part_reducer.on_sender_failed(sender_index)
                     logs.get("averaging").warning("averaging part dropped", sender=sender_index, problem=problem)
+                    # Banned once, through the runner: hivemind bans a sender whose stream ends early again
+                    # (_accumulate_parts_streaming), and a second on_sender_failed on the reducer's current part
+                    # took one more sender off it - the part was then averaged without an honest groupmate's
+                    # values, which came back as a zero delta (recorded averaged, left local).
+                    await self._ban_sender(self.sender_peer_ids[sender_index])
                     raise BannedException(problem)
                 return await accumulate(sender_index, part_index, tensor_part, weight)
 
