@@ -142,10 +142,8 @@ class StageAllReduce(AllReduceRunner):
                 if problem is not None:
                     self.dropped_parts += 1
                     logs.get("averaging").warning("averaging part dropped", sender=sender_index, problem=problem)
-                    # Banned once, through the runner: hivemind bans a sender whose stream ends early again
-                    # (_accumulate_parts_streaming), and a second on_sender_failed on the reducer's current part
-                    # took one more sender off it - the part was then averaged without an honest groupmate's
-                    # values, which came back as a zero delta (recorded averaged, left local).
+                    # Through the runner, so once: a second on_sender_failed (hivemind bans a stream ending early)
+                    # took an honest sender off the current part, whose values came back as a zero delta.
                     await self._ban_sender(self.sender_peer_ids[sender_index])
                     raise BannedException(problem)
                 return await accumulate(sender_index, part_index, tensor_part, weight)
