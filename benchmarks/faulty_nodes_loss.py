@@ -144,18 +144,22 @@ def main(argv=None) -> int:
             for faulty in (False, True):
                 work = tmp / f"{i}-{'faulty' if faulty else 'baseline'}"
                 work.mkdir()
-                r = run_once(work, data, a.steps, faulty, a.timeout)
+                try:
+                    r = run_once(work, data, a.steps, faulty, a.timeout)
+                except SystemExit as e:  # a run that failed is recorded, and its pair left out of the ratio
+                    r = {"faulty": faulty, "error": str(e), "loss": []}
                 r["final_loss"] = final_loss(r["loss"], a.tail)
                 runs["faulty" if faulty else "baseline"] = r
-                print(f"run {i} {'faulty' if faulty else 'baseline'}: {r['steps']} steps, final loss "
-                      f"{r['final_loss']:.4f}, {r['wall_s']} s", file=sys.stderr)
+                print(f"run {i} {'faulty' if faulty else 'baseline'}: {r.get('steps')} steps, final loss "
+                      f"{r['final_loss']:.4f}, {r.get('wall_s')} s {r.get('error', '')}", file=sys.stderr)
             runs["ratio"] = runs["faulty"]["final_loss"] / runs["baseline"]["final_loss"]
             pairs.append(runs)
-    ratio = statistics.median(r["ratio"] for r in pairs)
+    done = [r for r in pairs if "error" not in r["baseline"] and "error" not in r["faulty"]]
+    ratio = statistics.median(r["ratio"] for r in done) if done else float("nan")
     result = {"manifest": str(MANIFEST), "settings": SWARM, "steps": a.steps, "tail": a.tail, "repeats": a.repeats,
               "baseline_final_loss": [r["baseline"]["final_loss"] for r in pairs],
               "faulty_final_loss": [r["faulty"]["final_loss"] for r in pairs],
-              "ratios": [r["ratio"] for r in pairs], "ratio": ratio, "target": TARGET,
+              "ratios": [r["ratio"] for r in pairs], "ratio": ratio, "pairs_done": len(done), "target": TARGET,
               "within_target": abs(ratio - 1.0) <= TARGET, "load_avg_before": load_before,
               "load_avg_after": list(os.getloadavg()), "cpus": os.cpu_count(),
               "runs": [{k: {kk: vv for kk, vv in v.items() if kk != "loss"} if isinstance(v, dict) else v
