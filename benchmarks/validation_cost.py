@@ -9,19 +9,25 @@ default, the most checks per token) — in paired blocks, with and without the c
 - every reply a trainer receives (:class:`~agoractl.algorithms.validation.ReplyChecks`: shape, dtype,
   finiteness, magnitude bound, losses).
 
-Reported per pair: CPU seconds per sample with and without (process time, one torch thread: what
-other processes on a shared machine do is not counted); the ratio (with / without); and the
-checks' own CPU time over the compute's (timed around each check). Medians over pairs. Without the network the compute is all there is, so the fraction
-is an upper bound of the throughput a real swarm loses. Nothing is written but the JSON.
+Three arms per pair, in an order that alternates between pairs: without checks; with the checks, each
+timed; and with the same timers around no-op checks (what the timers themselves cost: a timed section
+between compute steps runs with cold caches and is far from free). Reported per pair: CPU seconds per
+sample of each arm (process time, one torch thread: what other processes on a shared machine do is not
+counted); ``ratio`` (with / without: the tokens/s the checks cost, ``tokens_per_s_cost`` = 1 - 1/ratio);
+and ``checks_fraction``, the checks' own CPU time (timed around each, less the timers' own cost) over the
+compute's. Medians over pairs, with the spread (min, max). Without the network the compute is all there
+is, so the fraction is an upper bound of the throughput a real swarm loses.
 
     python benchmarks/validation_cost.py                     # a table
     python benchmarks/validation_cost.py --json --pairs 5    # JSON on stdout
+    python benchmarks/validation_cost.py --pairs 30 --out validation_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -50,8 +56,9 @@ def call(w: Worker, method: str, ids, wire=None, grad=None) -> tuple[dict, dict]
                                                                           if not isinstance(v, torch.Tensor)}
 
 
-def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int) -> float:
-    """One sample through the pipeline; returns the seconds spent in checks (0 without them)."""
+def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int, timers_only: bool = False) -> float:
+    """One sample through the pipeline; returns the seconds spent in checks (0 without them; with
+    `timers_only`, the seconds the same timers take around no-op checks)."""
     spent = 0.0
 
     def check(w: Worker, method: str, sent: dict, out: dict, meta: dict) -> None:
@@ -59,7 +66,8 @@ def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int) -> float:
         if checks is None:
             return
         t0 = time.process_time()
-        checks.check(w.name, method, sent, out, meta)
+        if not timers_only:
+            checks.check(w.name, method, sent, out, meta)
         spent += time.process_time() - t0
 
     def received(w: Worker, method: str, wire, grad) -> None:
@@ -67,7 +75,8 @@ def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int) -> float:
         if checks is None:
             return
         t0 = time.process_time()
-        assert request_problem(method, ids, wire, grad, vocab, w.role_in_pipeline != "head") is None
+        if not timers_only:
+            assert request_problem(method, ids, wire, grad, vocab, w.role_in_pipeline != "head") is None
         spent += time.process_time() - t0
 
     wire, inputs = None, []
@@ -103,24 +112,30 @@ def measure(manifest: Path, overrides: list[str], pairs: int, samples: int) -> d
     data = torch.randint(0, min(vocab, 256), (samples, 1, seq + 1), dtype=torch.int32)
     for s in data[:4]:  # warm-up (and the magnitude bound's history)
         walk(workers, checks, s, vocab)
-    rows = []
-    for _ in range(pairs):
-        t0 = time.process_time()
-        for s in data:
-            walk(workers, None, s, vocab)
-        without = (time.process_time() - t0) / samples
+    def block(arm: str) -> tuple[float, float]:
+        """(CPU seconds per sample, seconds per sample inside the timed sections) of one block."""
         t0, spent = time.process_time(), 0.0
         for s in data:
-            spent += walk(workers, checks, s, vocab)
-        with_checks = (time.process_time() - t0) / samples
+            spent += walk(workers, None if arm == "without" else checks, s, vocab, timers_only=arm == "timers")
+        return (time.process_time() - t0) / samples, spent / samples
+
+    arms = ("without", "with", "timers")
+    rows = []
+    for i in range(pairs):
+        got = {arm: block(arm) for arm in (arms[i % 3:] + arms[:i % 3])}  # each arm leads in turn
+        (without, _), (with_checks, timed), (_, timers) = got["without"], got["with"], got["timers"]
+        spent = max(0.0, timed - timers)
         rows.append({"s_per_sample_without": without, "s_per_sample_with": with_checks,
-                     "ratio": with_checks / without, "checks_s_per_sample": spent / samples,
-                     "checks_fraction": (spent / samples) / max(with_checks - spent / samples, 1e-12)})
+                     "ratio": with_checks / without, "tokens_per_s_cost": 1.0 - without / with_checks,
+                     "checks_s_per_sample": spent, "timers_s_per_sample": timers,
+                     "checks_fraction": spent / max(with_checks - timed, 1e-12)})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    spread = {k: [min(r[k] for r in rows), max(r[k] for r in rows)] for k in ("ratio", "checks_fraction")}
     return {"manifest": str(manifest), "overrides": overrides, "pairs": pairs, "samples_per_block": samples,
             "stages": len(run.stages), "seq_len": seq, "wire_width": run.model.ssn.rank or run.model.d_model,
-            "median": med, "target_fraction": TARGET, "within_target": med["checks_fraction"] <= TARGET,
-            "rows": rows, "threads": torch.get_num_threads()}
+            "median": med, "spread": spread, "target_fraction": TARGET,
+            "within_target": med["checks_fraction"] <= TARGET, "rows": rows, "threads": torch.get_num_threads(),
+            "load_avg": list(os.getloadavg()), "cpus": os.cpu_count()}
 
 
 def main(argv=None) -> int:
@@ -131,22 +146,29 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=16, help="samples per block")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.add_argument("--out", type=Path, help="write the JSON to this file too")
     a = p.parse_args(argv)
     if a.pairs < 1 or a.samples < 1:
         print("error: --pairs and --samples must be at least 1", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
     r = measure(a.manifest, a.overrides, a.pairs, a.samples)
+    if a.out is not None:
+        tmp = a.out.with_name(a.out.name + ".tmp")
+        tmp.write_text(json.dumps(r, indent=2))
+        tmp.replace(a.out)
     if a.json:
         print(json.dumps(r, indent=2))
     else:
-        m = r["median"]
+        m, sp = r["median"], r["spread"]
         print(f"{r['manifest']}: {r['stages']} stages, seq_len {r['seq_len']}, wire width {r['wire_width']}, "
-              f"{r['pairs']} pairs x {r['samples_per_block']} samples (medians)")
+              f"{r['pairs']} pairs x {r['samples_per_block']} samples (medians; load {r['load_avg'][0]:.1f})")
         print(f"  without checks {m['s_per_sample_without'] * 1e3:.2f} ms/sample, with {m['s_per_sample_with'] * 1e3:.2f}"
-              f" ms/sample, ratio {m['ratio']:.4f}")
-        print(f"  checks {m['checks_s_per_sample'] * 1e6:.0f} us/sample = {m['checks_fraction']:.2%} of the compute "
-              f"(target <= {TARGET:.0%}: {'met' if r['within_target'] else 'NOT met'})")
+              f" ms/sample, ratio {m['ratio']:.4f} ({sp['ratio'][0]:.4f}..{sp['ratio'][1]:.4f}): "
+              f"{m['tokens_per_s_cost']:.2%} of tokens/s")
+        print(f"  checks {m['checks_s_per_sample'] * 1e6:.0f} us/sample (timers' own {m['timers_s_per_sample'] * 1e6:.0f} us"
+              f" left out) = {m['checks_fraction']:.2%} of the compute ({sp['checks_fraction'][0]:.2%}.."
+              f"{sp['checks_fraction'][1]:.2%}; target <= {TARGET:.0%}: {'met' if r['within_target'] else 'NOT met'})")
     return 0
 
 

@@ -141,8 +141,10 @@ class StageAllReduce(AllReduceRunner):
                 problem = part_problem(tensor_part, own, part_multiple)
                 if problem is not None:
                     self.dropped_parts += 1
-                    self.tensor_part_reducer.on_sender_failed(sender_index)
                     logs.get("averaging").warning("averaging part dropped", sender=sender_index, problem=problem)
+                    # Through the runner, so once: a second on_sender_failed (hivemind bans a stream ending early)
+                    # took an honest sender off the current part, whose values came back as a zero delta.
+                    await self._ban_sender(self.sender_peer_ids[sender_index])
                     raise BannedException(problem)
                 return await accumulate(sender_index, part_index, tensor_part, weight)
 

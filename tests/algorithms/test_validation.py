@@ -12,7 +12,7 @@ import torch
 
 from agoractl.algorithms.termination import EXIT_CODES, SelfTermination
 from agoractl.algorithms.validation import (FaultBook, Invalid, NormTracker, ReplyChecks, check_losses, check_tensor,
-                                            loss_bound, part_problem, request_problem, update_mask)
+                                            loss_bound, part_problem, request_problem, rms_per_sample, update_mask)
 from agoractl.manifest.schema import Run, SelfTermination as SelfTerminationConfig
 from agoractl.training.fault_drill import ONSET, corrupt_part, corrupt_results
 
@@ -50,6 +50,10 @@ def test_requests_a_worker_refuses():
     assert "non-finite" in request_problem("forward", ids, torch.full_like(wire, NAN), None, 256, needs_wire=True)
     assert "grad holds" in request_problem("backward", ids, wire, torch.full_like(grad, INF), 256, needs_wire=True)
     assert "outside [0, 256)" in request_problem("forward", ids + 300, None, None, 256, needs_wire=False)
+    assert "outside [0, 256)" in request_problem("forward", ids - 300, None, None, 256, needs_wire=False)
+    edge = ids.clone()
+    edge[0, 0], edge[1, -1] = 0, 255  # the first and last ids of the vocabulary pass
+    assert request_problem("forward", edge, None, None, 256, needs_wire=False) is None
     assert "wire is missing" in request_problem("forward", ids, None, None, 256, needs_wire=True)
     assert "expected (2, 8, '*')" in request_problem("forward", ids, torch.randn(2, 7, 4), None, 256, needs_wire=True)
     assert "dtype float32" in request_problem("forward", ids.float(), None, None, 256, needs_wire=False)
@@ -162,3 +166,12 @@ def test_fault_drills_corrupt_what_they_name_after_their_onset():
     values = torch.ones(5)
     assert corrupt_part("nan-parts", values).isnan().all() and corrupt_part("huge-parts", values).eq(1e6).all()
     assert corrupt_part(None, values) is values and values.eq(1).all()
+
+
+def test_per_sample_rms_one_sample_or_many_in_fp32():
+    one = torch.full((1, 8, 4), 3.0)
+    assert rms_per_sample(one) == pytest.approx([3.0])
+    many = torch.stack([torch.full((8, 4), 1.0), torch.full((8, 4), -2.0)]).to(torch.bfloat16)
+    assert rms_per_sample(many) == pytest.approx([1.0, 2.0])
+    assert rms_per_sample(torch.zeros(0, 8, 4)) == []
+    assert math.isnan(rms_per_sample(torch.full((1, 2), NAN))[0])  # NaN stays visible to the tracker

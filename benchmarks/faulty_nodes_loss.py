@@ -1,0 +1,182 @@
+"""Faulty nodes against the final loss (issue 25: "the final loss is within 3% of the same swarm without
+them"): the same replicated swarm trained with and without three faulty workers, in the same run.
+
+The swarm is the one of tests/runtime/test_faulty_nodes_swarm.py (``launch swarm``: DHT seed, 3 stages x 2
+workers, 2 trainers, single-sample requests, ``manifests/local-cpu.yaml`` shrunk to seq_len 64); the faulty
+arm adds three ordinary ``launch worker`` processes made faulty with the hidden ``--fault`` drill (a head
+whose outputs are finite but x1e6, a body whose outputs are NaN, a tail whose backward is NaN), and both
+arms wait for every worker they have before the first sample (``local.start_with_workers``: 3 per stage with
+the faulty ones, 2 without), so both train on the same samples from the first step. Each arm
+runs ``--repeats`` times, alternating (baseline, faulty, baseline, ...), on its own copy of the same shards.
+
+The final loss of a run is the mean of its last ``--tail`` steps (the report's per-step loss, merged over
+trainers): one step of 4 samples is noisy. ``ratio`` is faulty / baseline, per pair, and its median.
+
+    python benchmarks/faulty_nodes_loss.py --out faulty_nodes_loss.json
+    python benchmarks/faulty_nodes_loss.py --repeats 2 --steps 160 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
+TARGET = 0.03
+"""The issue's bound: the final loss within 3% of the swarm without faulty nodes."""
+FAULTY = {"head": "huge-outputs", "body-1": "nan-outputs", "tail": "nan-grads"}
+SWARM = ["model.seq_len=64", "workers.max_microbatch=8", "training.schedule.warmup_steps=2",
+         "workers.announce_period_s=1", "trainers.discovery_period_s=2", "trainers.ban_s=60",
+         "trainers.request_timeout_s=20", "network.startup_timeout_s=120", "trainers.microbatch=1",
+         "data_parallel.method=none", "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2",
+         "trainers.in_flight=4", "training.global_batch_size=4", "validation.warmup=3",
+         "workers.self_termination.refused_outputs=2"]
+"""tests/runtime/test_faulty_nodes_swarm.py's swarm (its TINY settings and its own)."""
+
+
+def agoractl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agoractl", *args]
+
+
+def sets(values: list[str]) -> list[str]:
+    return [a for v in values for a in ("--set", v)]
+
+
+def kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_once(work: Path, data: list[str], steps: int, faulty: bool, timeout_s: float) -> dict:
+    """One swarm run (with the faulty workers if `faulty`); returns its report, less the bulky parts."""
+    run_dir = work / "run"
+    shutil.copytree(work.parent / "shards", work / "shards", ignore=shutil.ignore_patterns("ledger.json", "progress"))
+    values = [*data, f"data.output={work / 'shards'}", *SWARM, f"training.max_steps={steps}",
+              f"local.start_with_workers={3 if faulty else 2}", f"checkpoints.store={work / 'store'}"]
+    status = run_dir / "swarm" / "status.json"
+    started: list[subprocess.Popen] = []
+    t0 = time.monotonic()
+    try:
+        swarm = subprocess.Popen(agoractl("launch", "swarm", str(MANIFEST), *sets([*values, f"local.run_dir={run_dir}"]),
+                                          "--json"), cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                                 stderr=open(work / "swarm.err", "wb"))
+        started.append(swarm)
+        if faulty:
+            maddrs = None
+            while maddrs is None:
+                if swarm.poll() is not None or time.monotonic() - t0 > timeout_s:
+                    raise SystemExit(f"the swarm never came up; see {work / 'swarm.err'}")
+                try:
+                    maddrs = json.loads(status.read_text()).get("maddrs")
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.3)
+            for stage, fault in FAULTY.items():
+                started.append(subprocess.Popen(
+                    agoractl("launch", "worker", str(MANIFEST), *sets(values), "--stage", stage, "--fault", fault,
+                             "--initial-peers", maddrs[0], "--stats", str(work / f"{fault}.json")),
+                    cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(work / f"{fault}.err", "wb")))
+        out, _ = swarm.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+        if swarm.returncode != 0:
+            raise SystemExit(f"the swarm exited with {swarm.returncode}; see {work / 'swarm.err'}")
+        report = json.loads(out)
+    finally:
+        pids = [p.pid for p in started]
+        try:
+            pids += [n["pid"] for n in json.loads(status.read_text())["nodes"]]
+        except (OSError, ValueError, KeyError):
+            pass
+        for pid in pids:
+            kill_group(pid)
+        for p in started:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+    return {"faulty": faulty, "steps": report.get("steps"), "completed": report.get("completed"),
+            "samples_lost": report.get("samples_lost"), "loss": report.get("loss", []),
+            "faults": report.get("faults", {}), "exit_codes": report.get("exit_codes", {}),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def final_loss(loss: list, tail: int) -> float:
+    """Mean loss of the last `tail` steps of a report's [step, loss] curve."""
+    values = [v for _, v in loss[-tail:]]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=120, help="training.max_steps of every run (steps of 4 samples)")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs (baseline, faulty), alternating")
+    p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is a run's final loss")
+    p.add_argument("--rows", type=int, default=2000, help="documents in the generated sample corpus")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.add_argument("--out", type=Path, help="write the JSON to this file too")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.repeats < 1 or not 1 <= a.tail <= a.steps:
+        print("error: --steps and --repeats must be at least 1, --tail within [1, --steps]", file=sys.stderr)
+        return 2
+    load_before = list(os.getloadavg())
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="faulty-loss-") as tmp:
+        tmp = Path(tmp)
+        data = [f"data.source={tmp}/sample/*.parquet", "data.num_shards=4"]
+        subprocess.run(agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", str(a.rows), "--files", "2",
+                                "--json"), check=True, capture_output=True, cwd=ROOT)
+        subprocess.run(agoractl("shard", str(MANIFEST), *sets([*data, f"data.output={tmp / 'shards'}"]), "--json"),
+                       check=True, capture_output=True, cwd=ROOT)
+        for i in range(a.repeats):
+            runs = {}
+            for faulty in (False, True):
+                work = tmp / f"{i}-{'faulty' if faulty else 'baseline'}"
+                work.mkdir()
+                try:
+                    r = run_once(work, data, a.steps, faulty, a.timeout)
+                except SystemExit as e:  # a run that failed is recorded, and its pair left out of the ratio
+                    r = {"faulty": faulty, "error": str(e), "loss": []}
+                r["final_loss"] = final_loss(r["loss"], a.tail)
+                runs["faulty" if faulty else "baseline"] = r
+                print(f"run {i} {'faulty' if faulty else 'baseline'}: {r.get('steps')} steps, final loss "
+                      f"{r['final_loss']:.4f}, {r.get('wall_s')} s {r.get('error', '')}", file=sys.stderr)
+            runs["ratio"] = runs["faulty"]["final_loss"] / runs["baseline"]["final_loss"]
+            pairs.append(runs)
+    done = [r for r in pairs if "error" not in r["baseline"] and "error" not in r["faulty"]]
+    ratio = statistics.median(r["ratio"] for r in done) if done else float("nan")
+    result = {"manifest": str(MANIFEST), "settings": SWARM, "steps": a.steps, "tail": a.tail, "repeats": a.repeats,
+              "baseline_final_loss": [r["baseline"]["final_loss"] for r in pairs],
+              "faulty_final_loss": [r["faulty"]["final_loss"] for r in pairs],
+              "ratios": [r["ratio"] for r in pairs], "ratio": ratio, "pairs_done": len(done), "target": TARGET,
+              "within_target": abs(ratio - 1.0) <= TARGET, "load_avg_before": load_before,
+              "load_avg_after": list(os.getloadavg()), "cpus": os.cpu_count(),
+              "runs": [{k: {kk: vv for kk, vv in v.items() if kk != "loss"} if isinstance(v, dict) else v
+                        for k, v in r.items()} for r in pairs]}
+    if a.out is not None:
+        tmp_out = a.out.with_name(a.out.name + ".tmp")
+        tmp_out.write_text(json.dumps(result, indent=2))
+        tmp_out.replace(a.out)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"final loss (mean of the last {a.tail} of {a.steps} steps): baseline "
+              f"{', '.join(f'{v:.4f}' for v in result['baseline_final_loss'])}; with faulty workers "
+              f"{', '.join(f'{v:.4f}' for v in result['faulty_final_loss'])}; ratio {ratio:.4f} "
+              f"(target within {TARGET:.0%}: {'met' if result['within_target'] else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
