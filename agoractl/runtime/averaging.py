@@ -142,8 +142,7 @@ class StageAllReduce(AllReduceRunner):
                 if problem is not None:
                     self.dropped_parts += 1
                     logs.get("averaging").warning("averaging part dropped", sender=sender_index, problem=problem)
-                    # Through the runner, so once: a second on_sender_failed (hivemind bans a stream ending early)
-                    # took an honest sender off the current part, whose values came back as a zero delta.
+                    # Banned once, through the runner: a second on_sender_failed dropped an honest sender's part.
                     await self._ban_sender(self.sender_peer_ids[sender_index])
                     raise BannedException(problem)
                 return await accumulate(sender_index, part_index, tensor_part, weight)
