@@ -139,12 +139,12 @@ class TrainerNodeStats:
     loss: dict = field(default_factory=dict, metadata=DETAIL)
     """{tail step (a string in JSON): [loss sum, samples]}: the loss curve, by the step the tail
     counted the sample toward."""
-    loss_sum: float = 0.0
+    loss_sum: float = field(default=0.0, metadata=DETAIL)
     """Sum of every per-sample loss above, accumulated as they arrived (what the trainer's signed DHT reports
     carry, so the Health Monitor's totals can be compared exactly)."""
-    loss_samples: int = 0
+    loss_samples: int = field(default=0, metadata=DETAIL)
     """Samples in loss_sum."""
-    session: str = ""
+    session: str = field(default="", metadata=DETAIL)
     """The session its DHT reports were numbered under."""
     sequences: list = field(default_factory=list)
     """[shard, epoch, token offset, tail step] per completed sequence (trainers.record_sequences)."""
