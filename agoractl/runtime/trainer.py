@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import signal
 import threading
 import time
 from typing import Iterator, Optional, Sequence
@@ -254,7 +255,7 @@ class Trainer:
             if result is None:
                 return self._lose(stage, "backward", n)
             grad = result[1].get("grad")
-        if seq_ids:
+        if seq_ids and self.t.record_sequences:
             self.stats.sequences.extend([*i, step] for i in seq_ids)
         return True
 
@@ -275,6 +276,9 @@ class Trainer:
                 self.resumed = {"step": self.resume_step, "source": source}
                 self.log.info("data position", **self.resumed)
             self._stream = trainer_stream(self.run, self.index, position)
+            self._stream.interrupt = lambda: self.stop.is_set() or self.finished()
+            if getattr(self._stream, "claims", None) is not None:
+                self._stream.claims.track = True  # samples count as read once they complete
         return self._stream
 
     def _draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
@@ -287,11 +291,15 @@ class Trainer:
             if s is None:
                 break
             drawn.append(s)
-            h = getattr(self._stream, "holdings", None)
-            if self.t.record_sequences and h:
-                h = h[self._stream.current]
-                ids.append([h.shard, h.epoch, h.consumed - s.shape[0]])
+            if getattr(self._stream, "last", None) is not None:
+                ids.append(list(self._stream.last))
         return (torch.stack(drawn), ids, draw) if drawn else None
+
+    def _settle(self, seq_ids: list) -> None:
+        """Completed (or given up): noted at once (a reader waiting at the epoch's end flushes it itself),
+        then written to the shard ledger on the data thread, so no later reader reads it again."""
+        for shard, epoch, offset in seq_ids:
+            self._stream.settle(shard, epoch, offset)
 
     async def _mark_checkpoint(self) -> None:
         """Record the data position the first time every stage reached a checkpoint step."""
@@ -312,7 +320,10 @@ class Trainer:
             await self._mark_checkpoint()
             drawn = await self._next_samples()
             if drawn is None:
-                self.stats.finished_reason = self.stats.finished_reason or "data exhausted"
+                if not (self.stop.is_set() or self.finished()):
+                    epochs = getattr(getattr(self._stream, "claims", None), "epochs_done", None)
+                    self.stats.finished_reason = self.stats.finished_reason or (
+                        f"data exhausted after {epochs} epoch(s)" if epochs else "data exhausted")
                 return
             batch, seq_ids, draw = drawn
             if self.finished() or self.stop.is_set():
@@ -328,6 +339,9 @@ class Trainer:
                     self.stall.observe(self.stats.completed, time.monotonic())
             finally:
                 self.in_flight -= n
+                if seq_ids and hasattr(self._stream, "settle"):
+                    self._settle(seq_ids)
+                    await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)
 
     def record(self, done: bool = False) -> TrainerRecord:
         recent, self._recent_loss = self._recent_loss, []
@@ -346,7 +360,7 @@ class Trainer:
                 await self._dht(self.records.publish_trainer, self.record(), 10 * PUBLISH_S + self.t.discovery_period_s)
             except Exception as e:
                 self.log.warning("publishing progress failed", error=f"{type(e).__name__}: {e}")
-            if time.monotonic() - last_data_report > DATA_REPORT_S:
+            if time.monotonic() - last_data_report > min(DATA_REPORT_S, self.run.data.lease_s / 3):
                 last_data_report = time.monotonic()
                 await self._report_data()
 
@@ -422,7 +436,9 @@ class Trainer:
         if self.finished():
             self.stats.finished_reason = FINISHED_REASONS[self.run.training.until_step is not None]
         elif self.stop.is_set():
-            self.stats.finished_reason = self.stats.finished_reason or "stopped"
+            sig = getattr(self.stop, "signum", None)
+            self.stats.finished_reason = self.stats.finished_reason or (
+                f"interrupted by {signal.Signals(sig).name}" if sig else "stopped")
 
     def train(self) -> dict:
         """Run until every stage reached max_steps, the data ran out, or a stop signal; returns the stats."""
