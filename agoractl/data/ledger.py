@@ -90,7 +90,7 @@ class Ledger:
         return (json.dumps(asdict(self), indent=1) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes, url: str = LEDGER_NAME) -> "Ledger":
+    def from_json(cls, data: bytes, url: str = "ledger") -> "Ledger":
         try:
             raw = json.loads(data)
             if raw.get("format") != FORMAT:
