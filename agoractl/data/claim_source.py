@@ -42,6 +42,7 @@ class ClaimSource:
         self.written: dict[tuple[int, int], tuple] = {}
         self.last_write: dict[tuple[int, int], float] = {}
         self.lock = threading.Lock()
+        self.flush_lock = threading.Lock()
         self.track = False
         """Keep sequences in flight until settled (a trainer does); otherwise handed out = completed."""
 
@@ -93,7 +94,12 @@ class ClaimSource:
         return key in self.lost
 
     def flush(self, force: bool = False) -> None:
-        """Write every held claim whose progress changed, or whose lease is due for renewal."""
+        """Write every held claim whose progress changed, or whose lease is due for renewal (one flush at a
+        time: the reading thread's and the trainer's may overlap)."""
+        with self.flush_lock:
+            self._flush(force)
+
+    def _flush(self, force: bool) -> None:
         now = self.clock()
         for key, h in list(self.held.items()):
             with self.lock:

@@ -55,6 +55,10 @@ class Claim:
     done: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
     """Earlier holders: trainer, owner, consumed when taken over, time."""
+    claimed_at: float = 0.0
+    """Wall time the shard was first claimed in this epoch."""
+    done_at: Optional[float] = None
+    """Wall time the last sequence of it completed."""
     format: str = FORMAT
 
     def to_json(self) -> bytes:
@@ -84,6 +88,7 @@ class ClaimLedger:
         self.tags: dict[tuple[int, int], str] = {}
         """Held claims: (shard, epoch) -> the store's tag of our last write."""
         self.history: dict[tuple[int, int], list] = {}
+        self.claimed_at: dict[tuple[int, int], float] = {}
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -120,7 +125,8 @@ class ClaimLedger:
     # -- claiming -----------------------------------------------------------------------------
 
     def _new(self, shard: int, epoch: int) -> Claim:
-        return Claim(shard, epoch, self.tokens[shard], self.trainer, self.owner, self.clock() + self.lease_s)
+        now = self.clock()
+        return Claim(shard, epoch, self.tokens[shard], self.trainer, self.owner, now + self.lease_s, claimed_at=now)
 
     def acquire(self, n: int) -> list[Claim]:
         """Up to `n` claims of the current epoch: unclaimed shards in the epoch's order (from position ``trainer * n`` on, wrapping, so that
@@ -141,6 +147,7 @@ class ClaimLedger:
             tag = self.store.create(f"{CLAIMS_DIR}/{shard_name(epoch, shard)}", c.to_json())
             if tag is not None:
                 self.tags[(shard, epoch)] = tag
+                self.claimed_at[(shard, epoch)] = c.claimed_at
                 got.append(c)
         if len(got) < n and open_:
             now = self.clock()
@@ -161,6 +168,7 @@ class ClaimLedger:
             return None
         self.tags[(c.shard, c.epoch)] = got
         self.history[(c.shard, c.epoch)] = new.history
+        self.claimed_at[(c.shard, c.epoch)] = c.claimed_at
         return new
 
     def adopt(self, shard: int, epoch: int) -> Optional[Claim]:
@@ -173,6 +181,7 @@ class ClaimLedger:
             if tag is None:
                 return None
             self.tags[(shard, epoch)] = tag
+            self.claimed_at[(shard, epoch)] = c.claimed_at
             return c
         c = Claim.from_json(got[0])
         if c.done or not (c.trainer == self.trainer or c.lease_until < self.clock()):
@@ -187,6 +196,7 @@ class ClaimLedger:
             return False
         c = self._new(shard, epoch)
         c.consumed, c.skip, c.done, c.history = consumed, sorted(skip), done, self.history.get(key, [])
+        c.claimed_at, c.done_at = self.claimed_at.get(key, c.claimed_at), (self.clock() if done else None)
         tag = self.store.replace(f"{CLAIMS_DIR}/{shard_name(epoch, shard)}", c.to_json(), self.tags[key])
         if tag is None or done:
             self.tags.pop(key, None)
@@ -247,6 +257,7 @@ def ledger_state(store: ClaimStore, num_shards: int, epochs: int, clock: Callabl
                 c = Claim.from_json(got[0])
                 claims.append({"shard": c.shard, "trainer": c.trainer, "consumed": c.consumed, "tokens": c.tokens,
                                "done": c.done, "expired": not c.done and c.lease_until < clock(),
+                               "claimed_at": c.claimed_at, "done_at": c.done_at,
                                "takeovers": len(c.history)})
         out.append({"epoch": e, "claimed": len(claims), "done": sum(c["done"] for c in claims),
                     "unclaimed": num_shards - len(claims), "claims": claims})
