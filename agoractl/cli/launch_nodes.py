@@ -142,7 +142,7 @@ def trainer(
     plan = _check_store(run, resume_step, fresh, force)
     if index >= run.trainers.count:
         raise UsageError(f"--index {index}: the ledger has trainers.count = {run.trainers.count} trainers",
-                         hint="use an index below trainers.count, or raise trainers.count and rotate-shards")
+                         hint="use an index below trainers.count, or raise trainers.count")
     _threads(run)
     from agoractl.training.data_resume import CheckpointPositions
 

@@ -100,7 +100,7 @@ class Ledger:
             return cls(**raw)
         except (ValueError, TypeError, KeyError) as e:
             raise RuntimeFailure(f"{url}: not a valid shard ledger ({e})",
-                                 hint="delete it; the next trainer or `agoractl rotate-shards` recreates it")
+                                 hint="it was written by another version of agoractl")
 
 
 def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:

@@ -306,7 +306,7 @@ class Data(Section):
     seed: int = 0
     """Shuffle seed of re-sharding."""
     output: str = "runs/local-cpu/shards"
-    """Where shards, index.json and ledger.json go (local path or s3://)."""
+    """Where shards, index.json and the shard ledger (claims/) go (local path or s3://)."""
     min_int_score: Optional[int] = Field(None, ge=0)
     """Drop documents whose int_score is below this; null = keep all."""
     epochs: int = Field(1, gt=0)
