@@ -53,10 +53,12 @@ def main(argv: list[str]) -> None:
 
     worker = threading.Thread(target=completer, daemon=True)
     worker.start()
-    for _ in stream:
+    while True:
+        slots.acquire()  # at most IN_FLIGHT drawn and not completed
+        if next(stream, None) is None:
+            break
         write("drawn {} {} {}".format(*stream.last))
         flying.append(stream.last)
-        slots.acquire()
     finished.set()
     worker.join()
     stream.flush()

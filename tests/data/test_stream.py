@@ -103,21 +103,23 @@ def test_run_sequences_interleaves_trainers_deterministically(shards, tmp_path):
 
 
 def test_epochs_read_every_shard_before_the_next_epoch_in_a_new_order(shards, tmp_path):
-    """data.epochs 2, two trainers reading in turns: epoch 1 starts only after every shard of epoch 0, in a
-    permuted shard order; each sequence exactly once per epoch."""
+    """data.epochs 2, two trainers reading concurrently (threads): epoch 1 starts only after every shard of
+    epoch 0, in a permuted shard order; each sequence exactly once per epoch."""
+    import threading
+
     run = fresh_run(shards, tmp_path, data__epochs=2, data__lease_s=600)
     streams = [trainer_stream(run, 0, poll_s=0.01), trainer_stream(run, 1, poll_s=0.01)]
     read: list[tuple] = []
-    alive = list(streams)
-    while alive:
-        for st in list(alive):
-            for _ in range(50):
-                try:
-                    s = next(st)
-                except StopIteration:
-                    alive.remove(st)
-                    break
+    lock = threading.Lock()
+
+    def reader(st):
+        for s in st:
+            with lock:
                 read.append((*st.last, tuple(s.tolist())))
+
+    threads = [threading.Thread(target=reader, args=(st,)) for st in streams]
+    [t.start() for t in threads]
+    [t.join(600) for t in threads]
     epochs = [e for _, e, _, _ in read]
     assert epochs == sorted(epochs) and set(epochs) == {0, 1}  # nothing of epoch 1 before all of epoch 0
     whole = sorted(tuple(q) for k in range(8) for q in cut(shard_tokens(run, k)))
