@@ -380,6 +380,8 @@ class Trainer:
         `min_workers` of them."""
         t0 = time.monotonic()
         while not self.stop.is_set():
+            if hasattr(self._stream, "flush"):  # keep the shards claimed at start leased meanwhile
+                await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)
             await asyncio.gather(*(self.discover(s) for s in self.stages))
             missing = [s for s in self.stages
                        if len(self.balancers[s].available(time.monotonic())) < self.min_workers]
