@@ -36,19 +36,16 @@ def test_release_a_dead_trainers_shards_and_force_a_wrap(cli, tmp_path):
     (e0,) = shown["epochs"]
     assert (e0["claimed"], e0["done"], e0["unclaimed"]) == (2, 0, 4) and shown["allowed_epochs"] == 1
     assert {c["shard"] for c in e0["claims"] if c["trainer"] == 1} == {c.shard for c in held}
-    human = rotate(cli).stdout
-    assert "t1" in human and "1 epoch(s) allowed" in human
-
-    released = json.loads(rotate(cli, "--release", "1", "--json").stdout)
-    assert sorted((r["shard"], r["epoch"]) for r in released["released"]) == sorted((c.shard, 0) for c in held)
+    human = rotate(cli, "--release", "1")  # what an operator types for a dead trainer
+    assert "released shard" in human.stdout and "1 epoch(s) allowed" in human.stdout
+    released = json.loads(rotate(cli, "--json").stdout)
     assert all(c["expired"] for c in released["epochs"][0]["claims"])
     taken = live.acquire(6)  # the 4 unclaimed ones first, then the released two, where trainer 1 stopped
     assert {c.shard for c in taken} == set(range(6))
     assert [c.consumed for c in taken if c.shard == held[0].shard] == [130]
 
     wrapped = json.loads(rotate(cli, "--wrap", "--json").stdout)
-    assert wrapped["allowed_epochs"] == 2
-    assert json.loads(rotate(cli, "--wrap", "--json").stdout)["allowed_epochs"] == 3
+    assert wrapped["allowed_epochs"] == 2 and live.allowed_epochs() == 2
 
 
 def test_missing_index(cli, tmp_path):
