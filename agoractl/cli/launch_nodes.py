@@ -164,7 +164,9 @@ def _trainer_exit(index: int, reason: str) -> None:
 
     from agoractl.errors import Interrupted, RuntimeFailure
 
-    if reason == "max_steps reached" or reason.startswith("data exhausted"):
+    from agoractl.training.node_stats import FINISHED_REASONS
+
+    if reason in FINISHED_REASONS or reason.startswith("data exhausted"):
         return
     if reason.startswith("interrupted by SIG"):
         raise Interrupted(int(signal.Signals[reason.split()[-1]]), f"trainer {index}: {reason}")
