@@ -225,7 +225,7 @@ def test_end_reason_names_exhausted_data_and_the_step():
 
     def fake(how, early=None):
         return SimpleNamespace(signals=SimpleNamespace(signum=None), run=SimpleNamespace(training=SimpleNamespace(
-            max_steps=60)), supervisor=SimpleNamespace(early_end=early, exits=[
+            max_steps=60, until_step=None)), supervisor=SimpleNamespace(early_end=early, exits=[
                 {"kind": "worker", "how": "its stage reached training.max_steps"}, {"kind": "trainer", "how": how}]))
 
     exhausted = fake("data exhausted after 1 epoch(s)", "trainer-0 ended early: data exhausted after 1 epoch(s)")
