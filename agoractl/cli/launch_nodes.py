@@ -142,16 +142,35 @@ def trainer(
     plan = _check_store(run, resume_step, fresh, force)
     if index >= run.trainers.count:
         raise UsageError(f"--index {index}: the ledger has trainers.count = {run.trainers.count} trainers",
-                         hint="use an index below trainers.count, or raise trainers.count and rotate-shards")
+                         hint="use an index below trainers.count, or raise trainers.count")
     _threads(run)
     from agoractl.training.data_resume import CheckpointPositions
 
     positions = CheckpointPositions(run, index, plan.binding)
     result = Trainer(run, index, initial_peers or run.network.initial_peers, stats_path=stats,
                      min_workers=min_workers, positions=positions, resume_step=plan.step).train()
-    emit({k: result[k] for k in ("trainer", "dispatched", "completed", "lost", "finished_reason")}, as_json,
-         lambda r: stdout.print(f"trainer {r['trainer']}: {r['completed']} samples completed, {r['lost']} lost "
-                                f"({r['finished_reason']})"))
+    result["end_reason"] = result["finished_reason"]
+    note(f"trainer {index} ended: {result['end_reason']}")
+    emit({k: result[k] for k in ("trainer", "dispatched", "completed", "lost", "finished_reason", "end_reason")},
+         as_json, lambda r: stdout.print(f"trainer {r['trainer']}: {r['completed']} samples completed, {r['lost']} "
+                                         f"lost ({r['finished_reason']})"))
+    _trainer_exit(index, result["finished_reason"])
+
+
+def _trainer_exit(index: int, reason: str) -> None:
+    """0 when max_steps was reached or the data ran out (data.epochs read); 128 + the signal when stopped by
+    one; 1 when it ended early for another reason (a stall raised StalledRun already: 3)."""
+    import signal
+
+    from agoractl.errors import Interrupted, RuntimeFailure
+
+    from agoractl.training.node_stats import FINISHED_REASONS
+
+    if reason in FINISHED_REASONS or reason.startswith("data exhausted"):
+        return
+    if reason.startswith("interrupted by SIG"):
+        raise Interrupted(int(signal.Signals[reason.split()[-1]]), f"trainer {index}: {reason}")
+    raise RuntimeFailure(f"trainer {index} ended before training.max_steps: {reason}", hint="see its log")
 
 
 @app.command(epilog="Examples:\n\n  agoractl launch swarm manifests/local-cpu.yaml\n\n"
@@ -200,6 +219,7 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
                 authorizer.stop()
             if stack is not None:
                 stack.stop()
+    note(f"swarm ended: {report['end_reason']} (exit code 0)")
     emit(report, as_json, _render_swarm)
 
 
@@ -264,8 +284,7 @@ def _render_swarm(r: dict) -> None:
         counts = ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("stage", "trainers"))
         stdout.print(f"faulty worker {peer[-8:]} of {f.get('stage')}: rejected by {f.get('trainers')} trainer(s) "
                      f"({counts})")
-    if not r.get("completed", True):
-        stdout.print(f"ended before training.max_steps: {r.get('end_reason', 'unknown')}")
+    stdout.print(f"end: {r.get('end_reason', 'unknown')}")
     stdout.print(f"report: {r['report_path']}")
 
 

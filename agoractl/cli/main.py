@@ -67,8 +67,8 @@ COMMANDS: dict[str, Entry] = {
     "shard": Entry("agoractl.cli.shard", "shard",
                    "Re-shard data.source into data.num_shards uniformly shuffled parquet shards plus index.json."),
     "rotate-shards": Entry("agoractl.cli.rotate", "rotate_shards",
-                           "Fold trainers' consumption reports into ledger.json and reassign trainers whose "
-                           "shards are exhausted."),
+                           "Show the shard ledger (trainers' claims); release a dead trainer's shards, or "
+                           "allow another epoch."),
     "simulate": Entry("agoractl.cli.simulate", "simulate",
                       "Train replicas in this process with the workers' own algorithm code and compare the "
                       "variants."),

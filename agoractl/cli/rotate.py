@@ -1,53 +1,63 @@
-"""``agoractl rotate-shards FILE``: give exhausted trainers fresh shards (report §5.1.0.3)."""
+"""``agoractl rotate-shards FILE``: the shard ledger for operators (report §5.1.0.3).
+
+Trainers rotate by themselves (they claim the next shards from ``<data.output>/claims/``); this
+command shows the ledger, gives a dead trainer's shards back to the pool at once (``--release``,
+instead of waiting out its lease), and forces another epoch (``--wrap``)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, load
 from agoractl.cli.output import emit, note, stdout
+from agoractl.data.claim_store import claim_store
+from agoractl.data.claims import CLAIMS_DIR, allow_epochs, ledger_state, release_trainer
 from agoractl.data.index import read_index
-from agoractl.data.ledger import rotate_shards as rotate
+from agoractl.errors import UsageError
 
 
 def rotate_shards(
     file: ManifestArg,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; write nothing.")] = False,
+    release: Annotated[Optional[int], typer.Option(
+        "--release", help="End the leases of this trainer's claims now (a dead trainer): the next trainer "
+                          "takes them over where it stopped.", min=0, show_default=False)] = None,
     wrap: Annotated[bool, typer.Option(
-        "--wrap", help="When the corpus is used up, start the next epoch (shard order from a new seed).")] = False,
+        "--wrap", help="Allow one more epoch than data.epochs (or than the last --wrap): trainers go on into "
+                       "it, with a new shard order from the seed.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the ledger; change nothing.")] = False,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Fold trainers' consumption reports into ledger.json and reassign trainers whose shards are exhausted.
-
-    A shard is exhausted when fewer than model.seq_len + 1 of its tokens remain; a trainer when all
-    its shards are. Exhausted trainers get the next unassigned shards in order; the others are left
-    alone. Live trainers pick the new assignment up without a restart.
-    """
+    """Show the shard ledger (per epoch: claims, done, expired), release a dead trainer's shards, or force a
+    wrap into another epoch. Live trainers pick the change up without a restart."""
     run = load(file, set_)
+    if dry_run and (release is not None or wrap):
+        raise UsageError("--dry-run changes nothing: drop --release / --wrap, or --dry-run")
     index = read_index(run.data.output)
-    data = rotate(run.data.output, index, run.trainers.count, run.trainers.shards_per_trainer, run.model.seq_len,
-                  run.data.seed, wrap=wrap, dry_run=dry_run)
+    store = claim_store(run.data.output)
+    released: list = []
+    if release is not None:
+        released = [{"shard": s, "epoch": e} for s, e in release_trainer(store, release)]
+    before = ledger_state(store, len(index.shards), run.data.epochs)["allowed_epochs"]
+    allowed = allow_epochs(store, before + 1) if wrap else before
+    data = {"ledger": f"{run.data.output.rstrip('/')}/{CLAIMS_DIR}", "released": released,
+            **ledger_state(store, len(index.shards), run.data.epochs), "allowed_epochs": allowed,
+            "shards": len(index.shards), "dry_run": dry_run}
     emit(data, as_json, _render)
-    if data["corpus_used_up"]:
-        note(f"corpus used up: trainer(s) {', '.join(map(str, data['starved']))} have no shard left in epoch "
-             f"{data['epoch']}; rerun with --wrap to start epoch {data['epoch'] + 1}")
+    if release is not None and not released:
+        note(f"trainer {release} holds no open claim")
 
 
 def _render(data: dict) -> None:
-    t = Table("trainer", "shards", "consumed", "state", box=None)
-    for tr in data["trainers"]:
-        used = sum(tr["consumed"])
-        total = sum(tr["tokens"]) or 1
-        t.add_row(str(tr["trainer"]), " ".join(map(str, tr["shards"])) or "-", f"{100 * used / total:.0f}%",
-                  "exhausted" if tr["exhausted"] else "reading")
+    t = Table("epoch", "claimed", "done", "unclaimed", "open claims (shard: trainer, read)", box=None)
+    for e in data["epochs"]:
+        open_ = [f"{c['shard']}: t{c['trainer']} {100 * c['consumed'] / max(1, c['tokens']):.0f}%"
+                 f"{' expired' if c['expired'] else ''}" for c in e["claims"] if not c["done"]]
+        t.add_row(str(e["epoch"]), str(e["claimed"]), str(e["done"]), str(e["unclaimed"]), ", ".join(open_) or "-")
     stdout.print(t)
-    for r in data["rotated"]:
-        stdout.print(f"trainer {r['trainer']}: shards {' '.join(map(str, r['from'])) or '-'} -> "
-                     f"{' '.join(map(str, r['to'])) or '-'}")
-    verb = "would change" if data["dry_run"] else "changed"
-    stdout.print(f"{data['ledger']}: {verb if data['changed'] else 'unchanged'} "
-                 f"(epoch {data['epoch']}, {data['unassigned']} shard(s) unassigned)")
+    for r in data["released"]:
+        stdout.print(f"released shard {r['shard']} (epoch {r['epoch']})")
+    stdout.print(f"{data['ledger']}: {data['shards']} shards, {data['allowed_epochs']} epoch(s) allowed")

@@ -1,5 +1,6 @@
-"""The shard ledger, ``<data.output>/ledger.json``: which shards each trainer holds and how many of
-their tokens it has consumed, and shard rotation (report §5.1.0.2-5.1.0.3).
+"""Shard holdings and in-memory rotation (report §5.1.0.2-5.1.0.3): the model the central reference
+streams by (:func:`agoractl.data.stream.run_sequences`), the epochs' shard orders, and the trainers'
+progress files. A live run's ledger is the claims in the store (:mod:`agoractl.data.claims`).
 
 The initial assignment deals the shards in order: trainer i holds shards ``order[i*p:(i+1)*p]`` for
 ``p = trainers.shards_per_trainer``. A holding is exhausted when fewer than ``seq_len + 1`` of its
@@ -9,20 +10,16 @@ epoch's order, in trainer order, and leaves every other trainer alone. When the 
 corpus is used up; ``wrap`` starts the next epoch, whose order is a permutation of all shards drawn
 from a new seed.
 
-Trainers never write the ledger: each writes its own ``progress/trainer-NNNNN.json`` atomically (no
-two writers race on one file) and rotation folds those reports in. Everything here except the few
-read/write helpers at the bottom is a pure function of its inputs.
+Each trainer also writes its own ``progress/trainer-NNNNN.json`` atomically (its stream position, read
+by a resumed trainer). Everything here except those read/write helpers is a pure function of its inputs.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -32,7 +29,6 @@ from agoractl.data.index import ShardIndex
 from agoractl.errors import RuntimeFailure
 
 FORMAT = "agoractl-ledger/v1"
-LEDGER_NAME = "ledger.json"
 PROGRESS_DIR = "progress"
 
 
@@ -44,6 +40,8 @@ class Holding:
     epoch: int
     tokens: int
     consumed: int = 0
+    skip: list[int] = field(default_factory=list)
+    """Offsets (tokens from the shard's start) of sequences beyond `consumed` already read: skipped."""
 
     def key(self) -> tuple[int, int]:
         return (self.shard, self.epoch)
@@ -92,7 +90,7 @@ class Ledger:
         return (json.dumps(asdict(self), indent=1) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes, url: str = LEDGER_NAME) -> "Ledger":
+    def from_json(cls, data: bytes, url: str = "ledger") -> "Ledger":
         try:
             raw = json.loads(data)
             if raw.get("format") != FORMAT:
@@ -102,7 +100,7 @@ class Ledger:
             return cls(**raw)
         except (ValueError, TypeError, KeyError) as e:
             raise RuntimeFailure(f"{url}: not a valid shard ledger ({e})",
-                                 hint="delete it; the next trainer or `agoractl rotate-shards` recreates it")
+                                 hint="it was written by another version of agoractl")
 
 
 def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
@@ -215,47 +213,8 @@ def rotate(ledger: Ledger, index: ShardIndex, trainers: int, wrap: bool = False,
 
 # -- storage -------------------------------------------------------------------------------------
 
-def ledger_url(output: str) -> str:
-    return storage.join(output, LEDGER_NAME)
-
-
 def progress_url(output: str, trainer: int) -> str:
     return storage.join(output, PROGRESS_DIR, f"trainer-{trainer:05d}.json")
-
-
-def read_ledger(output: str) -> Optional[Ledger]:
-    url = ledger_url(output)
-    try:
-        return Ledger.from_json(remote.read_bytes(url), url)
-    except FileNotFoundError:
-        return None
-    except RuntimeFailure:
-        raise
-    except Exception as e:
-        raise RuntimeFailure(storage.describe_error(url, e))
-
-
-def write_ledger(output: str, ledger: Ledger) -> str:
-    url = ledger_url(output)
-    remote.write_bytes(url, ledger.to_json())
-    return url
-
-
-def ensure_ledger(output: str, index: ShardIndex, trainers: int, shards_per_trainer: int, seq_len: int,
-                  seed: int) -> Ledger:
-    """The ledger under `output`, created with the initial assignment when missing.
-
-    Concurrent first trainers may both create it: the initial ledger is a pure function of the index
-    and the manifest, so they write the same bytes.
-    """
-    ledger = read_ledger(output)
-    if ledger is None:
-        ledger = initial_ledger(index, trainers, shards_per_trainer, seq_len, seed)
-        write_ledger(output, ledger)
-    elif ledger.index != index.fingerprint:
-        raise RuntimeFailure(f"{ledger_url(output)} belongs to another shard index (the shards were rewritten)",
-                             hint="delete ledger.json and the progress/ folder to start the assignment afresh")
-    return ledger
 
 
 def write_progress(output: str, trainer: int, holdings: list[Holding], position: Any = None) -> str:
@@ -281,43 +240,3 @@ def read_progress(output: str) -> list[dict[str, Any]]:
     return out
 
 
-@contextmanager
-def ledger_lock(output: str) -> Iterator[None]:
-    """Serialise ledger rewrites on a local output (two operators rotating at once); no-op on S3."""
-    if storage.is_remote(output):
-        yield
-        return
-    path = storage.filesystem(output)[1]
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, ".ledger.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def rotate_shards(output: str, index: ShardIndex, trainers: int, shards_per_trainer: int, seq_len: int,
-                  seed: int, wrap: bool = False, dry_run: bool = False) -> dict[str, Any]:
-    """Fold the trainers' progress reports into the ledger, rotate exhausted trainers, rewrite it.
-
-    The ledger is rewritten (atomically) only when something changed and not in `dry_run`; a second
-    run right after the first changes nothing.
-    """
-    with ledger_lock(output):
-        ledger = ensure_ledger(output, index, trainers, shards_per_trainer, seq_len, seed)
-        folded = fold_reports(ledger, read_progress(output))
-        result = rotate(ledger, index, trainers, wrap=wrap)
-        changed = bool(folded or result.rotated)
-        if changed and not result.rotated:
-            ledger.generation += 1
-        if changed and not dry_run:
-            write_ledger(output, ledger)
-    return {
-        "ledger": ledger_url(output), "dry_run": dry_run, "changed": changed, "written": changed and not dry_run,
-        "generation": ledger.generation, "epoch": ledger.epoch, "folded": folded, "rotated": result.rotated,
-        "starved": result.starved, "unassigned": result.unassigned, "corpus_used_up": result.corpus_used_up,
-        "trainers": [{"trainer": t.trainer, "shards": [h.shard for h in t.holdings],
-                      "consumed": [h.consumed for h in t.holdings], "tokens": [h.tokens for h in t.holdings],
-                      "exhausted": t.exhausted(ledger.seq_len)} for t in ledger.trainers],
-    }

@@ -4,8 +4,11 @@ A shard is read document by document in its stored (pre-shuffled) order; each do
 ``encode(text) + [eos]`` and the concatenation is cut into non-overlapping sequences of
 ``seq_len + 1`` tokens (inputs and shifted labels). The tail of a shard shorter than that is left
 unread, which is exactly the ledger's definition of an exhausted shard. A trainer reads its holdings
-one after the other; when all are exhausted it reports its consumption, re-reads the ledger and
-continues with a newly assigned shard (live pick-up) or ends.
+one after the other; when all are exhausted it claims the next ones from the shard ledger in the store
+(:mod:`agoractl.data.claim_source`, :mod:`agoractl.data.claims`: the next unclaimed shards of the
+epoch, a dead trainer's shard once its lease expired, or the next epoch once every shard of this one is
+done, up to ``data.epochs``) and continues, or ends when the data is exhausted. Every sequence handed
+out is in flight until the trainer settles it; the claims record what is completed.
 
 Resumption is exact: a position records, per holding, the tokens consumed and, for the holding being
 read, the document and token where the next sequence starts, so a resumed reader yields exactly the
@@ -27,8 +30,7 @@ import torch
 from agoractl import storage
 from agoractl.data import remote
 from agoractl.data.index import ShardIndex, read_index
-from agoractl.data.ledger import (Holding, Ledger, ensure_ledger, fold_reports, initial_ledger, ledger_lock,
-                                  read_ledger, rotate, write_progress)
+from agoractl.data.ledger import Holding, Ledger, fold_reports, initial_ledger, rotate, write_progress
 from agoractl.data.tokenizers import Tokenizer, load_tokenizer
 from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
@@ -42,24 +44,6 @@ class LedgerSource(Protocol):
     def report(self, trainer: int, holdings: list[Holding], position: Any) -> None: ...
 
 
-class LedgerFile:
-    """The shared ``ledger.json`` under data.output; reports go to the trainer's own progress file."""
-
-    def __init__(self, run: Run, index: ShardIndex):
-        self.output = run.data.output
-        with ledger_lock(self.output):  # never create it over a rotation that is being written
-            ensure_ledger(self.output, index, run.trainers.count, run.trainers.shards_per_trainer,
-                          run.model.seq_len, run.data.seed)
-
-    def assignment(self, trainer: int) -> Optional[list[Holding]]:
-        ledger = read_ledger(self.output)
-        t = ledger.trainer(trainer) if ledger else None
-        return None if t is None else t.holdings
-
-    def report(self, trainer: int, holdings: list[Holding], position: Any) -> None:
-        write_progress(self.output, trainer, holdings, position)
-
-
 class LedgerMemory:
     """An in-memory ledger that rotates a trainer as soon as it reports exhaustion (central reference)."""
 
@@ -68,7 +52,7 @@ class LedgerMemory:
 
     def assignment(self, trainer: int) -> Optional[list[Holding]]:
         t = self.ledger.trainer(trainer)
-        return None if t is None else [Holding(**h.__dict__) for h in t.holdings]
+        return None if t is None else [Holding(**{**h.__dict__, "skip": list(h.skip)}) for h in t.holdings]
 
     def report(self, trainer: int, holdings: list[Holding], position: Any) -> None:
         fold_reports(self.ledger, [{"trainer": trainer, "holdings": [h.__dict__ for h in holdings]}])
@@ -96,21 +80,41 @@ class TrainerStream:
         self.index = index or read_index(self.output)
         self.tok = tokenizer or load_tokenizer(run)
         check_tokenizer(self.index, self.tok, self.output)
-        self.source: LedgerSource = source or LedgerFile(run, self.index)
+        if source is None:
+            from agoractl.data.claim_source import ClaimSource
+
+            source = ClaimSource(run, self.index, trainer_index)
+        self.source: LedgerSource = source
+        self.claims = source if hasattr(source, "settle") else None
+        """The claim ledger's source (in-flight bookkeeping), or None (an in-memory or file ledger)."""
         self.seq_len = run.model.seq_len
         self.wait_s, self.poll_s = wait_s, poll_s
+        self.interrupt = lambda: False
+        """Set by the trainer: stop waiting for the epoch's last shards (the run ended meanwhile)."""
+        self.last: Optional[tuple[int, int, int]] = None
+        """(shard, epoch, offset) of the sequence handed out last."""
         self.text_column = self.index.text_column
-        holdings = self.source.assignment(trainer_index)
-        if holdings is None:
-            raise RuntimeFailure(f"trainer {trainer_index} has no entry in {self.output}/ledger.json",
-                                 hint="run `agoractl rotate-shards FILE` (with trainers.count covering it) to assign shards")
-        self.holdings: list[Holding] = holdings
         self.current = 0
         self.row: Optional[int] = None
         self.token = 0
+        adopted = None
+        if position is not None and self.claims is not None:
+            adopted = self.claims.adopt([Holding(**h) for h in position["holdings"]])
+        holdings = adopted if adopted is not None else self._first_assignment()
+        if holdings is None:
+            raise RuntimeFailure(f"trainer {trainer_index} has no shard left in {self.output}",
+                                 hint="every epoch of the data is read (data.epochs); `agoractl rotate-shards FILE "
+                                      "--wrap` allows one more")
+        self.holdings: list[Holding] = holdings
         if position is not None:
             self._restore(position)
         self._gen: Optional[Iterator[torch.Tensor]] = None
+
+    def _first_assignment(self) -> Optional[list[Holding]]:
+        got = self.source.assignment(self.trainer)
+        if got == [] and self.claims is not None:  # the epoch's last shards are held by others
+            return self._await_assignment()
+        return got
 
     # -- position -------------------------------------------------------------------------------
 
@@ -119,17 +123,29 @@ class TrainerStream:
         return {"trainer": self.trainer, "holdings": [dict(h.__dict__) for h in self.holdings],
                 "current": self.current, "row": self.row, "token": self.token}
 
+    def settle(self, shard: int, epoch: int, offset: int) -> None:
+        """The sequence at `offset` of (shard, epoch) completed (or was given up): not to be read again."""
+        if self.claims is not None:
+            self.claims.settle((shard, epoch), offset)
+
+    def flush(self) -> None:
+        """Write what is completed to the claim ledger (and renew the claims' leases)."""
+        if self.claims is not None:
+            self.claims.flush()
+
     def tokens_consumed(self) -> dict[int, int]:
         """Tokens consumed so far per shard of the current assignment."""
         return {h.shard: h.consumed for h in self.holdings}
 
     def _restore(self, pos: dict[str, Any]) -> None:
         saved = [Holding(**h) for h in pos["holdings"]]
+        saved = [Holding(**{**h.__dict__, "skip": list(h.skip)}) for h in saved]
         if [h.key() for h in saved] != [h.key() for h in self.holdings]:
             # The ledger moved on (the trainer was rotated after the save): follow the ledger, whose
             # consumption counts are where reading resumes.
             return
-        self.holdings = saved
+        for mine, h in zip(self.holdings, saved):  # in place: the claim source tracks these objects
+            mine.consumed, mine.skip = h.consumed, list(h.skip)
         self.current, self.row, self.token = int(pos["current"]), pos["row"], int(pos["token"])
 
     # -- iteration ------------------------------------------------------------------------------
@@ -157,9 +173,17 @@ class TrainerStream:
             self.holdings, self.current, self.row, self.token = new, 0, None, 0
 
     def _await_assignment(self) -> Optional[list[Holding]]:
-        """A new, not yet exhausted assignment from the ledger, polling up to wait_s seconds."""
+        """A new, not yet exhausted assignment from the ledger, polling up to wait_s seconds (claims: for as
+        long as other trainers hold the epoch's last shards, unless :attr:`interrupt` says stop)."""
+        if self.claims is not None:
+            while True:
+                self.claims.flush()
+                new = self.source.assignment(self.trainer)
+                if new is None or new or self.interrupt():
+                    return new or None
+                time.sleep(self.poll_s)
         deadline = time.monotonic() + self.wait_s
-        old = [h.key() for h in self.holdings]
+        old = [h.key() for h in getattr(self, "holdings", [])]
         while True:
             new = self.source.assignment(self.trainer)
             if not new:  # no entry, or rotation left it nothing: the corpus is used up for this trainer
@@ -176,6 +200,7 @@ class TrainerStream:
         if self.row is None:
             self.row, self.token = self._locate(url, h.consumed)
         start_row, start_tok = self.row, self.token
+        skip = set(h.skip)
         pending: list[list[Any]] = []  # [row, first token, tokens]: what is read but not yet yielded
         have = 0
         last_row = start_row - 1
@@ -200,8 +225,16 @@ class TrainerStream:
                         head[1] += take
                         head[2] = head[2][take:]
                 have -= L1
+                offset = h.consumed
                 h.consumed += L1
                 self.row, self.token = (pending[0][0], pending[0][1]) if pending else (last_row + 1, 0)
+                if offset in skip:  # completed by the shard's previous reader beyond its first unfinished one
+                    continue
+                if self.claims is not None:
+                    if self.claims.is_lost(h.key()):
+                        return  # another trainer took the shard over (our lease lapsed): it reads on
+                    self.claims.issue(h.key(), offset)
+                self.last = (h.shard, h.epoch, offset)
                 yield torch.from_numpy(np.concatenate(parts).astype(np.int64))
         if have != h.tokens - h.consumed:
             raise RuntimeFailure(f"{url}: holds {h.consumed + have} tokens but the index says {h.tokens}",
@@ -262,7 +295,9 @@ def trainer_stream(run: Run, trainer_index: int, position: Optional[dict[str, An
 
 
 def report_progress(run: Run, trainer_index: int, stream: TrainerStream) -> str:
-    """Write the trainer's consumption to ``<data.output>/progress/trainer-NNNNN.json`` (atomically)."""
+    """Write the trainer's consumption to ``<data.output>/progress/trainer-NNNNN.json`` (atomically), and
+    renew its claims' leases."""
+    stream.flush()
     return write_progress(run.data.output, trainer_index, stream.holdings, stream.position())
 
 

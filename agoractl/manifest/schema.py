@@ -307,9 +307,18 @@ class Data(Section):
     seed: int = 0
     """Shuffle seed of re-sharding."""
     output: str = "runs/local-cpu/shards"
-    """Where shards, index.json and ledger.json go (local path or s3://)."""
+    """Where shards, index.json and the shard ledger (claims/) go (local path or s3://)."""
     min_int_score: Optional[int] = Field(None, ge=0)
     """Drop documents whose int_score is below this; null = keep all."""
+    epochs: int = Field(1, gt=0)
+    """Passes over the corpus. Trainers claim shards from the shard ledger (``<output>/claims/``) until
+    every shard of the epoch is read, then start the next epoch (a new shard order drawn from ``seed``)
+    while fewer than this many are done; after the last one the run ends early ("data exhausted")."""
+    lease_s: float = Field(60.0, gt=0)
+    """Seconds a trainer's shard claim stays valid without a renewal (trainers renew every lease_s / 3 and
+    after every completed sample); a dead trainer's shards go back to the pool this long after it died,
+    and the next trainer continues them from its last completed sample. Trainers' clocks must agree to
+    well within this."""
 
 
 class Checkpoints(Section):

@@ -93,6 +93,7 @@ def stop_on_signals(stop: threading.Event) -> None:
         if received:
             os._exit(128 + signum)
         received.append(signum)
+        stop.signum = signum  # type: ignore[attr-defined]  # the node's end names it ("interrupted by SIGTERM")
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

@@ -317,25 +317,16 @@ class Swarm:
     # -- the run ------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Check the data before starting anything (a missing shard index fails here, in one line), make
-        sure the shard ledger exists (trainers would race to create it), and reset the swarm directory."""
+        """Check the data before starting anything (a missing shard index fails here, in one line) and reset
+        the swarm directory. Trainers claim their shards themselves (the shard ledger in data.output)."""
+        from agoractl.data.claim_store import claim_store
         from agoractl.data.index import read_index
-        from agoractl.data.ledger import read_ledger
 
         if self.run.local.trainers > self.run.trainers.count:
             raise UsageError(f"local.trainers ({self.run.local.trainers}) exceeds trainers.count "
-                             f"({self.run.trainers.count}): the shard ledger has shards for trainers.count trainers",
-                             hint="set trainers.count to at least local.trainers")
-        index = read_index(self.run.data.output)
-        from agoractl.data.stream import LedgerFile  # imports torch: after the cheap checks
-
-        LedgerFile(self.run, index)
-        ledger = read_ledger(self.run.data.output)
-        missing = [i for i in range(self.run.local.trainers) if ledger is None or ledger.trainer(i) is None]
-        if missing:
-            raise RuntimeFailure(f"{self.run.data.output}/ledger.json assigns no shards to trainer(s) "
-                                 f"{', '.join(map(str, missing))} (it was made for fewer trainers)",
-                                 hint="run `agoractl rotate-shards FILE` with this manifest, or shard afresh")
+                             f"({self.run.trainers.count})", hint="set trainers.count to at least local.trainers")
+        read_index(self.run.data.output)
+        claim_store(self.run.data.output)  # the shard ledger needs atomic claims: a local path or s3://
         from agoractl.ops import resume
 
         self.resume_plan = resume.plan(self.run, None, None, *self.resume_options)
@@ -393,9 +384,14 @@ class Swarm:
             raise KeyboardInterrupt
         if failure is not None:
             raise failure
+        if not report["completed"] and not report["end_reason"].startswith("data exhausted"):
+            raise RuntimeFailure(f"the run ended before training.max_steps: {report['end_reason']}",
+                                 hint=f"see the trainers' logs in {self.dir / 'logs'}; report {report['report_path']}")
         return report
 
     def _end_reason(self, report: dict, failure: Optional[AgoraError]) -> str:
+        """Why the run ended, in one line: `max_steps reached (step N)`, `data exhausted after E epoch(s) at
+        step N of M`, `interrupted by SIGINT`, `stalled: ...` or another failure's message."""
         if self.signals.signum is not None:
             return f"interrupted by {self.signals.name}"
         if report.get("interrupted"):
@@ -403,8 +399,15 @@ class Swarm:
         if failure is not None:
             return failure.message
         if report.get("completed"):
-            return "until_step reached" if self.run.training.until_step else "max_steps reached"
-        return self.supervisor.early_end or "the trainers ended before training.max_steps"
+            if self.run.training.until_step:
+                return f"until_step reached (step {report['steps']})"
+            return f"max_steps reached (step {report['steps']})"
+        early = self.supervisor.early_end or "the trainers ended before training.max_steps"
+        exhausted = [e["how"] for e in self.supervisor.exits if e["kind"] == "trainer"
+                     and str(e["how"]).startswith("data exhausted")]
+        if exhausted:
+            return f"{exhausted[0]} at step {report['steps']} of {self.run.training.max_steps}"
+        return early
 
     def _watch(self, trainers: list[Node]) -> None:
         last_status = 0.0

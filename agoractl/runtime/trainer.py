@@ -1,31 +1,28 @@
-"""A trainer (``agoractl launch trainer``): holds no parameters, walks samples through the pipeline
-(report §3.3.2).
+"""A trainer (``agoractl launch trainer``, report §3.3.2): holds no parameters, walks samples through the pipeline.
 
 For each sample it sends the forward head → body → tail, to the worker each stage's
-:class:`~agoractl.algorithms.balancer.Balancer` chooses, keeping every stage's input wire tensor; the
-tail's fused call computes forward, loss and backward at once; then the backward unwinds tail →
-head, each stage's **pinned** to the worker that ran its forward (report §4.2.1). Only when that
-worker is gone (the call fails) does the backward fall back to another replica, which recomputes
-the forward under its own weights; fallbacks are counted. A failed forward is re-sent to another
-replica (up to ``trainers.retries`` times); a failed worker is banned for ``trainers.ban_s``. A
-sample that runs out of retries, or finds no replica, is counted as lost — every dispatched sample
-ends completed or lost. ``trainers.in_flight`` requests travel at once (concurrent pipelines), each
-carrying ``trainers.microbatch`` samples (1 by default, as in the report: workers coalesce).
+:class:`~agoractl.algorithms.balancer.Balancer` chooses, keeping every stage's input wire tensor; the tail's
+fused call computes forward, loss and backward at once; then the backward unwinds tail → head, each stage's
+**pinned** to the worker that ran its forward (report §4.2.1). Only when that worker is gone (the call fails)
+does the backward fall back to another replica, which recomputes the forward under its own weights; fallbacks
+are counted. A failed forward is re-sent to another replica (up to ``trainers.retries`` times); a failed
+worker is banned for ``trainers.ban_s``. A sample that runs out of retries, or finds no replica, is counted as
+lost — every dispatched sample ends completed or lost. ``trainers.in_flight`` requests travel at once
+(concurrent pipelines), each of ``trainers.microbatch`` samples (1 by default, as in the report: workers coalesce).
 
-Tensors on the wire are what the workers send: SSN coordinates (k per token) when ``model.ssn`` is
-set, never a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records
-every ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes
-loss, samples and tokens consumed per shard in the DHT, and stops once every stage has taken
-``training.max_steps`` steps (``training.until_step`` when set; seen in the workers' replies and records) or its
-data runs out. When no
-sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable
-DHT), it logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
+Tensors on the wire are what the workers send: SSN coordinates (k per token) when ``model.ssn`` is set, never
+a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records every
+``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes loss, samples and
+tokens consumed per shard in the DHT, and stops once every stage has taken ``training.max_steps`` steps
+(``training.until_step`` when set; seen in the workers' replies and records) or its data runs out. When no
+sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable DHT), it
+logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
 Every reply is checked before it is used (:class:`~agoractl.algorithms.validation.ReplyChecks`, with
-``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**,
-the worker that produced it is banned for ``validation.fault_ban_s`` (doubling on repeats), told so
-(a ``notice``), counted in ``faults`` per worker, and the request goes to another replica — the
-bad value never reaches the next stage.
+``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**, the
+worker that produced it is banned for ``validation.fault_ban_s`` (doubling on repeats), told so (a
+``notice``), counted in ``faults`` per worker, and the request goes to another replica — the bad value never
+reaches the next stage.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ import asyncio
 import concurrent.futures
 import os
 import secrets
+import signal
 import threading
 import time
 from typing import Iterator, Optional, Sequence
@@ -263,7 +261,7 @@ class Trainer:
             if result is None:
                 return self._lose(stage, "backward", n)
             grad = result[1].get("grad")
-        if seq_ids:
+        if seq_ids and self.t.record_sequences:
             self.stats.sequences.extend([*i, step] for i in seq_ids)
         return True
 
@@ -284,6 +282,9 @@ class Trainer:
                 self.resumed = {"step": self.resume_step, "source": source}
                 self.log.info("data position", **self.resumed)
             self._stream = trainer_stream(self.run, self.index, position)
+            self._stream.interrupt = lambda: self.stop.is_set() or self.finished()
+            if getattr(self._stream, "claims", None) is not None:
+                self._stream.claims.track = True  # samples count as read once they complete
         return self._stream
 
     def _draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
@@ -296,11 +297,15 @@ class Trainer:
             if s is None:
                 break
             drawn.append(s)
-            h = getattr(self._stream, "holdings", None)
-            if self.t.record_sequences and h:
-                h = h[self._stream.current]
-                ids.append([h.shard, h.epoch, h.consumed - s.shape[0]])
+            if getattr(self._stream, "last", None) is not None:
+                ids.append(list(self._stream.last))
         return (torch.stack(drawn), ids, draw) if drawn else None
+
+    def _settle(self, seq_ids: list) -> None:
+        """Completed (or given up): noted at once (a reader waiting at the epoch's end flushes it itself),
+        then written to the shard ledger on the data thread, so no later reader reads it again."""
+        for shard, epoch, offset in seq_ids:
+            self._stream.settle(shard, epoch, offset)
 
     async def _mark_checkpoint(self) -> None:
         """Record the data position the first time every stage reached a checkpoint step."""
@@ -313,15 +318,15 @@ class Trainer:
                 self.positions.last = max(self.positions.last, step)
                 self.log.warning("data position not recorded", step=step, error=f"{type(e).__name__}: {e}")
 
-    async def _next_samples(self) -> Optional[torch.Tensor]:
-        return await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
-
     async def _pipeline(self) -> None:
         while not self.stop.is_set() and not self.finished():
             await self._mark_checkpoint()
-            drawn = await self._next_samples()
+            drawn = await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
             if drawn is None:
-                self.stats.finished_reason = self.stats.finished_reason or "data exhausted"
+                if not (self.stop.is_set() or self.finished()):
+                    epochs = getattr(getattr(self._stream, "claims", None), "epochs_done", None)
+                    self.stats.finished_reason = self.stats.finished_reason or (
+                        f"data exhausted after {epochs} epoch(s)" if epochs else "data exhausted")
                 return
             batch, seq_ids, draw = drawn
             if self.finished() or self.stop.is_set():
@@ -337,6 +342,9 @@ class Trainer:
                     self.stall.observe(self.stats.completed, time.monotonic())
             finally:
                 self.in_flight -= n
+                if seq_ids and hasattr(self._stream, "settle"):
+                    self._settle(seq_ids)
+                    await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)
 
     def record(self, done: bool = False) -> TrainerRecord:
         recent, self._recent_loss = self._recent_loss, []
@@ -360,7 +368,7 @@ class Trainer:
                                 self.key)
             except Exception as e:
                 self.log.warning("publishing progress failed", error=f"{type(e).__name__}: {e}")
-            if time.monotonic() - last_data_report > DATA_REPORT_S:
+            if time.monotonic() - last_data_report > min(DATA_REPORT_S, self.run.data.lease_s / 3):
                 last_data_report = time.monotonic()
                 await self._report_data()
 
@@ -376,10 +384,11 @@ class Trainer:
             self.log.warning("data progress report failed", error=f"{type(e).__name__}: {e}")
 
     async def _wait_for_stages(self) -> None:
-        """Training begins when every stage advertises at least one available worker (§3.3.2.1), or
-        `min_workers` of them."""
+        """Training begins when every stage advertises an available worker (§3.3.2.1), or `min_workers` of them."""
         t0 = time.monotonic()
         while not self.stop.is_set():
+            if hasattr(self._stream, "flush"):  # keep the shards claimed at start leased meanwhile
+                await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)
             await asyncio.gather(*(self.discover(s) for s in self.stages))
             missing = [s for s in self.stages
                        if len(self.balancers[s].available(time.monotonic())) < self.min_workers]
@@ -397,8 +406,8 @@ class Trainer:
         now = time.monotonic()
         cut = [s for s in self.stages if not self.balancers[s].available(now)]
         if cut:
-            return "; ".join(f"stage {s} has no reachable worker ({len(self.seen_workers[s])} seen, all gone "
-                             f"or banned)" for s in cut)
+            return "; ".join(f"stage {s} has no reachable worker ({len(self.seen_workers[s])} seen, all gone or banned)"
+                             for s in cut)
         lost = ", ".join(f"{k}: {v}" for k, v in self.stats.lost_at.items())
         return "every stage has a worker, yet no sample completes" + (f" (lost at {lost})" if lost else "")
 
@@ -436,7 +445,9 @@ class Trainer:
         if self.finished():
             self.stats.finished_reason = FINISHED_REASONS[self.run.training.until_step is not None]
         elif self.stop.is_set():
-            self.stats.finished_reason = self.stats.finished_reason or "stopped"
+            sig = getattr(self.stop, "signum", None)
+            self.stats.finished_reason = self.stats.finished_reason or (
+                f"interrupted by {signal.Signals(sig).name}" if sig else "stopped")
 
     def train(self) -> dict:
         """Run until every stage reached max_steps, the data ran out, or a stop signal; returns the stats."""

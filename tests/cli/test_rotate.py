@@ -1,71 +1,51 @@
-"""`agoractl rotate-shards` as a real subprocess on real shards: two exhausted trainers are rotated,
-the others left alone, a second run changes nothing; the corpus running out; --wrap. Files in tmp_path."""
+"""`agoractl rotate-shards` as a real subprocess on real shards and a real claim ledger: the ledger shown,
+a dead trainer's claims released (and taken over by another trainer where it stopped), a forced wrap
+into another epoch. Files in tmp_path."""
 
 from __future__ import annotations
 
 import json
 
-from agoractl.data.ledger import Holding, read_ledger, write_progress
+from agoractl.data.claim_store import claim_store
+from agoractl.data.claims import ClaimLedger
+from agoractl.data.index import read_index
 from tests.conftest import MANIFESTS
 from tests.data.corpus import sample_corpus
 
-SETS = ["--set", "data.source=src/*.parquet", "--set", "data.output=out", "--set", "data.num_shards=20",
-        "--set", "trainers.count=4", "--set", "trainers.shards_per_trainer=3"]
+SETS = ["--set", "data.source=src/*.parquet", "--set", "data.output=out", "--set", "data.num_shards=6",
+        "--set", "trainers.count=4", "--set", "trainers.shards_per_trainer=2"]
 
 
 def rotate(cli, *extra):
     return cli("rotate-shards", str(MANIFESTS / "local-cpu.yaml"), *SETS, *extra, check=0)
 
 
-def report_exhausted(out, trainer, consumed_fraction=1.0):
-    holdings = read_ledger(str(out)).trainer(trainer).holdings
-    write_progress(str(out), trainer, [Holding(h.shard, h.epoch, h.tokens, int(h.tokens * consumed_fraction))
-                                       for h in holdings])
-
-
-def test_rotate_two_exhausted_trainers(cli, tmp_path):
-    sample_corpus(tmp_path / "src", rows=1000, files=2)
+def test_release_a_dead_trainers_shards_and_force_a_wrap(cli, tmp_path):
+    sample_corpus(tmp_path / "src", rows=300, files=1)
     cli("shard", str(MANIFESTS / "local-cpu.yaml"), *SETS, check=0)
-    first = json.loads(rotate(cli, "--json").stdout)  # creates the ledger: nothing exhausted yet
-    assert first["rotated"] == [] and [t["shards"] for t in first["trainers"]] == \
-        [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    out = tmp_path / "out"
-    report_exhausted(out, 1)
-    report_exhausted(out, 3)
-    report_exhausted(out, 2, consumed_fraction=0.5)  # half-way: left alone
-    before = (out / "ledger.json").read_bytes()
-    dry = json.loads(rotate(cli, "--json", "--dry-run").stdout)
-    assert dry["changed"] and not dry["written"] and (out / "ledger.json").read_bytes() == before
-    done = json.loads(rotate(cli, "--json").stdout)
-    assert done["rotated"] == [{"trainer": 1, "from": [3, 4, 5], "to": [12, 13, 14]},
-                               {"trainer": 3, "from": [9, 10, 11], "to": [15, 16, 17]}]
-    assert dry["rotated"] == done["rotated"]
-    shards = {t["trainer"]: t["shards"] for t in done["trainers"]}
-    assert shards[0] == [0, 1, 2] and shards[2] == [6, 7, 8]
-    assert [t["consumed"][0] > 0 for t in done["trainers"]] == [False, False, True, False]
-    after = (out / "ledger.json").read_bytes()
-    second = json.loads(rotate(cli, "--json").stdout)
-    assert second["changed"] is False and second["rotated"] == [] and (out / "ledger.json").read_bytes() == after
-    human = rotate(cli).stdout
-    assert "unchanged" in human and "12 13 14" in human
+    out = str(tmp_path / "out")
+    tokens = [s.tokens for s in read_index(out).shards]
 
+    def trainer(i):
+        return ClaimLedger(claim_store(out), tokens, seed=0, epochs=1, trainer=i, lease_s=3600)
 
-def test_corpus_used_up_then_wrap(cli, tmp_path):
-    sample_corpus(tmp_path / "src", rows=600, files=1)
-    sets = ["--set", "data.num_shards=13"]
-    cli("shard", str(MANIFESTS / "local-cpu.yaml"), *SETS, *sets, check=0)
-    rotate(cli, *sets)
-    out = tmp_path / "out"
-    for t in range(4):
-        report_exhausted(out, t)
-    proc = rotate(cli, *sets, "--json")
-    data = json.loads(proc.stdout)
-    assert data["rotated"][0] == {"trainer": 0, "from": [0, 1, 2], "to": [12]}
-    assert data["corpus_used_up"] and data["starved"] == [1, 2, 3]
-    assert "corpus used up" in proc.stderr and "--wrap" in proc.stderr
-    wrapped = json.loads(rotate(cli, *sets, "--json", "--wrap").stdout)
-    assert wrapped["epoch"] == 1 and [r["trainer"] for r in wrapped["rotated"]] == [1, 2, 3]
-    assert all(len(r["to"]) == 3 for r in wrapped["rotated"])
+    dead, live = trainer(1), trainer(2)
+    held = dead.acquire(2)
+    dead.update(held[0].shard, 0, 130, [], done=False)  # it read 2 sequences of 64 + 1, then died
+    shown = json.loads(rotate(cli, "--json").stdout)
+    (e0,) = shown["epochs"]
+    assert (e0["claimed"], e0["done"], e0["unclaimed"]) == (2, 0, 4) and shown["allowed_epochs"] == 1
+    assert {c["shard"] for c in e0["claims"] if c["trainer"] == 1} == {c.shard for c in held}
+    human = rotate(cli, "--release", "1")  # what an operator types for a dead trainer
+    assert "released shard" in human.stdout and "1 epoch(s) allowed" in human.stdout
+    released = json.loads(rotate(cli, "--json").stdout)
+    assert all(c["expired"] for c in released["epochs"][0]["claims"])
+    taken = live.acquire(6)  # the 4 unclaimed ones first, then the released two, where trainer 1 stopped
+    assert {c.shard for c in taken} == set(range(6))
+    assert [c.consumed for c in taken if c.shard == held[0].shard] == [130]
+
+    wrapped = json.loads(rotate(cli, "--wrap", "--json").stdout)
+    assert wrapped["allowed_epochs"] == 2 and live.allowed_epochs() == 2
 
 
 def test_missing_index(cli, tmp_path):

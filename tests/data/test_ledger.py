@@ -1,13 +1,10 @@
-"""The shard ledger and rotation (agoractl.data.ledger): pure functions over a real ShardIndex value,
-plus the on-disk rotate_shards round trip. In-memory except the last tests (tmp_path files)."""
+"""Shard holdings and in-memory rotation (agoractl.data.ledger, the central reference's model): pure
+functions over a real ShardIndex value. In-memory."""
 
 from __future__ import annotations
 
-import json
-
-from agoractl.data.index import ShardEntry, ShardIndex, write_index
-from agoractl.data.ledger import (Ledger, fold_reports, initial_ledger, read_ledger, rotate, rotate_shards,
-                                  write_progress)
+from agoractl.data.index import ShardEntry, ShardIndex
+from agoractl.data.ledger import Ledger, fold_reports, initial_ledger, rotate
 
 SEQ = 10
 
@@ -94,22 +91,3 @@ def test_fold_ignores_stale_reports_and_never_goes_back():
     assert fold_reports(ledger, stale) == 0
     assert [h.consumed for h in ledger.trainer(0).holdings] == [500, 0, 0]
     assert ledger.trainer(1).holdings[1].consumed == 0
-
-
-def test_rotate_shards_on_disk_folds_progress_files(tmp_path):
-    index = make_index(8)
-    out = str(tmp_path)
-    write_index(out, index)
-    first = rotate_shards(out, index, 2, 3, SEQ, 0, dry_run=True)
-    assert first["rotated"] == [] and read_ledger(out) is not None  # created on first use
-    ledger = read_ledger(out)
-    write_progress(out, 1, [type(h)(h.shard, h.epoch, h.tokens, h.tokens) for h in ledger.trainer(1).holdings])
-    dry = rotate_shards(out, index, 2, 3, SEQ, 0, dry_run=True)
-    assert dry["rotated"] == [{"trainer": 1, "from": [3, 4, 5], "to": [6, 7]}] and not dry["written"]
-    assert read_ledger(out).to_json() == ledger.to_json()
-    done = rotate_shards(out, index, 2, 3, SEQ, 0)
-    assert done["written"] and read_ledger(out).trainer(1).holdings[0].shard == 6
-    generation = read_ledger(out).generation
-    assert rotate_shards(out, index, 2, 3, SEQ, 0)["changed"] is False
-    assert read_ledger(out).generation == generation
-    assert json.loads((tmp_path / "ledger.json").read_text())["format"] == "agoractl-ledger/v1"

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import s3fs
 
 from agoractl.data.index import read_index
-from agoractl.data.stream import trainer_stream
+from agoractl.data.stream import report_progress, trainer_stream
 from tests.conftest import MANIFESTS
 from tests.data.corpus import load_run, sample_corpus
 
@@ -46,11 +46,13 @@ def test_shard_from_bucket_to_bucket(cli, tmp_path, s3_env):
     run = load_run(tmp_path, f"{src}/fineweb-edu/*.parquet", f"{dst}/run-1", data__num_shards=4,
                    trainers__shards_per_trainer=1)
     stream = trainer_stream(run, 0)
-    seqs = list(stream)
+    seqs = list(stream)  # a lone trainer claims every shard in turn (data.epochs 1)
     idx = read_index(run.data.output)
-    assert len(seqs) == idx.shards[0].tokens // (run.model.seq_len + 1)
+    assert len(seqs) == sum(s.tokens // (run.model.seq_len + 1) for s in idx.shards)
+    report_progress(run, 0, stream)
     fs.invalidate_cache()
-    assert fs.exists("shards/run-1/ledger.json") and fs.exists("shards/run-1/progress/trainer-00000.json")
+    assert all(fs.exists(f"shards/run-1/claims/epoch-00000/shard-{k:05d}.json") for k in range(4))
+    assert fs.exists("shards/run-1/progress/trainer-00000.json")
 
 
 def test_missing_output_bucket(cli, tmp_path, s3_env):

@@ -1,18 +1,17 @@
 """The streaming reader (agoractl.data.stream) over real shards: packing, exact resumption, the
-central reference's round-robin, live pick-up after rotation. Hermetic: local files in tmp_path."""
+central reference's round-robin, shards claimed from the ledger (claims in data.output) until the
+data's epochs are read. Hermetic: local files in tmp_path."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from agoractl.data.index import read_index
-from agoractl.data.ledger import read_ledger, rotate_shards, write_progress
+from agoractl.data.ledger import write_progress
 from agoractl.data.shard import reshard
 from agoractl.data.stream import TrainerStream, report_progress, run_sequences, trainer_stream
 from agoractl.data.tokenizers import BytesTokenizer
@@ -31,11 +30,11 @@ def shards(tmp_path_factory):
     return base
 
 
-def fresh_run(shards, tmp_path, **sets):
+def fresh_run(shards, tmp_path, name="shards", **sets):
     """A run over the module's shards with its own copy of the output (ledger/progress are per test)."""
     import shutil
 
-    out = tmp_path / "shards"
+    out = tmp_path / name
     shutil.copytree(shards / "shards", out)
     return load_run(tmp_path, f"{shards}/corpus/*.parquet", str(out), model__seq_len=SEQ, **sets)
 
@@ -46,103 +45,91 @@ def shard_tokens(run, k) -> list[int]:
     return [t for text in texts for t in tok.encode(text) + [tok.eos_id]]
 
 
+def cut(toks: list[int]) -> list[list[int]]:
+    return [toks[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(len(toks) // (SEQ + 1))]
+
+
 def test_sequences_are_the_shards_token_streams_cut_into_seq_len_plus_one(shards, tmp_path):
+    """A lone trainer claims shards_per_trainer (3) shards at a time until the corpus is read (data.epochs 1)."""
     run = fresh_run(shards, tmp_path)
     stream = trainer_stream(run, 0)
     seqs = list(stream)
     assert all(s.dtype == torch.int64 and s.shape == (SEQ + 1,) for s in seqs)
-    expected = []
-    for k in (0, 1, 2):  # trainer 0 holds shards 0-2 (shards_per_trainer 3), read in order
-        toks = shard_tokens(run, k)
-        n = len(toks) // (SEQ + 1)
-        expected += [toks[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(n)]
-        assert stream.tokens_consumed()[k] == read_index(run.data.output).shards[k].tokens - len(toks) % (SEQ + 1)
-    assert [s.tolist() for s in seqs] == expected
+    assert [s.tolist() for s in seqs] == [q for k in range(8) for q in cut(shard_tokens(run, k))]
+    assert stream.claims.epochs_done == 1
+    assert set(stream.tokens_consumed()) == {6, 7}  # its last claims
 
 
-@pytest.mark.parametrize("cut", [0, 1, 57, "boundary", "last"])
-def test_resume_from_saved_position_yields_exactly_the_rest(shards, tmp_path, cut):
+@pytest.mark.parametrize("at", [0, 1, 57, "boundary", "last"])
+def test_resume_from_saved_position_yields_exactly_the_rest(shards, tmp_path, at):
+    full = list(trainer_stream(fresh_run(shards, tmp_path, "whole"), 0))
     run = fresh_run(shards, tmp_path)
-    full = list(trainer_stream(run, 0))
     first_shard = len(shard_tokens(run, 0)) // (SEQ + 1)
-    n = {"boundary": first_shard, "last": len(full) - 1}.get(cut, cut)
+    n = {"boundary": first_shard, "last": len(full) - 1}.get(at, at)
     stream = trainer_stream(run, 0)
     head = [next(stream) for _ in range(n)]
     saved = json.loads(json.dumps(stream.position()))  # positions are JSON
-    rest = list(TrainerStream(run, 0, position=saved))
+    rest = list(TrainerStream(run, 0, position=saved))  # takes its own claims back at once
     assert len(head) + len(rest) == len(full)
     assert all(torch.equal(a, b) for a, b in zip(head + rest, full))
 
 
-def test_restart_without_position_resumes_from_the_ledger(shards, tmp_path):
-    """A trainer that lost its position restarts where its last consumption report left off."""
+def test_restart_without_position_reads_every_sequence_once(shards, tmp_path):
+    """A trainer restarted without a position takes unclaimed shards, then its own claims back, from the
+    consumption its last report wrote: together the two parts read the corpus once."""
+    whole = [s.tolist() for s in trainer_stream(fresh_run(shards, tmp_path, "whole"), 0)]
     run = fresh_run(shards, tmp_path)
-    full = list(trainer_stream(run, 0))
     stream = trainer_stream(run, 0)
-    for _ in range(900):  # past shard 0 (~770 sequences), into shard 1
-        next(stream)
+    first = [next(stream).tolist() for _ in range(900)]  # past shard 0 (~770 sequences), into shard 1
     report_progress(run, 0, stream)
-    out = rotate_shards(run.data.output, read_index(run.data.output), 2, 3, SEQ, 0)
-    assert out["folded"] >= 1 and out["rotated"] == []
-    rest = list(trainer_stream(run, 0))
-    assert all(torch.equal(a, b) for a, b in zip(rest, full[900:])) and len(rest) == len(full) - 900
+    rest = [s.tolist() for s in trainer_stream(run, 0)]
+    assert sorted(first + rest) == sorted(whole)
 
 
 def test_run_sequences_interleaves_trainers_deterministically(shards, tmp_path):
+    """The central reference starts from the shards the swarm's trainers claim first (trainer i from
+    position i * shards_per_trainer of the order)."""
     run = fresh_run(shards, tmp_path)
-    t0, t1 = list(trainer_stream(run, 0)), list(trainer_stream(run, 1))
+    s0 = trainer_stream(run, 0)
+    t0 = [next(s0) for _ in range(300)]
+    s1 = trainer_stream(run, 1)
+    t1 = [next(s1) for _ in range(300)]
     central = list(run_sequences(run))
     assert all(torch.equal(central[2 * i], t0[i]) and torch.equal(central[2 * i + 1], t1[i]) for i in range(300))
     again = list(run_sequences(run))
     assert len(again) == len(central) and all(torch.equal(a, b) for a, b in zip(again, central))
-    # The reference covers the whole corpus: trainers rotate onto the unassigned shards 6 and 7.
     idx = read_index(run.data.output)
     assert len(central) == sum(s.tokens // (SEQ + 1) for s in idx.shards)
 
 
-def test_live_trainer_picks_up_rotation_without_restart(shards, tmp_path):
-    run = fresh_run(shards, tmp_path)
-    idx = read_index(run.data.output)
-    stream = trainer_stream(run, 0, wait_s=60, poll_s=0.02)
-    got: list[torch.Tensor] = []
-    reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
-    reader.start()
+def test_epochs_read_every_shard_before_the_next_epoch_in_a_new_order(shards, tmp_path):
+    """data.epochs 2, two trainers reading concurrently (threads): epoch 1 starts only after every shard of
+    epoch 0, in a permuted shard order; each sequence exactly once per epoch."""
+    import threading
 
-    def wait_for_report(shard_set):
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                body = json.loads((tmp_path / "shards" / "progress" / "trainer-00000.json").read_text())
-                held = {h["shard"] for h in body["holdings"]}
-                if held == shard_set and all(h["tokens"] - h["consumed"] < SEQ + 1 for h in body["holdings"]):
-                    return
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        raise AssertionError("the trainer never reported exhaustion")
+    run = fresh_run(shards, tmp_path, data__epochs=2, data__lease_s=600)
+    streams = [trainer_stream(run, 0, poll_s=0.01), trainer_stream(run, 1, poll_s=0.01)]
+    read: list[tuple] = []
+    lock = threading.Lock()
 
-    wait_for_report({0, 1, 2})
-    first = rotate_shards(run.data.output, idx, 2, 3, SEQ, 0)
-    assert first["rotated"] == [{"trainer": 0, "from": [0, 1, 2], "to": [6, 7]}]
-    wait_for_report({6, 7})
-    second = rotate_shards(run.data.output, idx, 2, 3, SEQ, 0)
-    assert second["corpus_used_up"] and second["starved"] == [0]
-    reader.join(30)
-    assert not reader.is_alive()
-    assert len(got) == sum(idx.shards[k].tokens // (SEQ + 1) for k in (0, 1, 2, 6, 7))
-    toks = shard_tokens(run, 6)
-    n0 = sum(idx.shards[k].tokens // (SEQ + 1) for k in (0, 1, 2))
-    assert got[n0].tolist() == toks[:SEQ + 1]
+    def reader(st):
+        for s in st:
+            with lock:
+                read.append((*st.last, tuple(s.tolist())))
 
-
-def test_trainer_without_rotation_ends(shards, tmp_path):
-    run = fresh_run(shards, tmp_path)
-    stream = trainer_stream(run, 1)  # wait_s 0: ends when its shards are exhausted
-    assert len(list(stream)) > 0
-    assert set(stream.tokens_consumed()) == {3, 4, 5}
-    report = json.loads((tmp_path / "shards" / "progress" / "trainer-00001.json").read_text())
-    assert {h["shard"] for h in report["holdings"]} == {3, 4, 5}
-    assert read_ledger(run.data.output).trainer(1).holdings[0].consumed == 0  # trainers never write the ledger
+    threads = [threading.Thread(target=reader, args=(st,)) for st in streams]
+    [t.start() for t in threads]
+    [t.join(600) for t in threads]
+    epochs = [e for _, e, _, _ in read]
+    assert epochs == sorted(epochs) and set(epochs) == {0, 1}  # nothing of epoch 1 before all of epoch 0
+    whole = sorted(tuple(q) for k in range(8) for q in cut(shard_tokens(run, k)))
+    for e in (0, 1):
+        assert sorted(t for _, ep, _, t in read if ep == e) == whole  # every sequence once per epoch
+    order1 = list(dict.fromkeys(sh for sh, ep, _, _ in read if ep == 1))
+    assert sorted(order1) == list(range(8)) and order1 != list(range(8))
+    assert all(st.claims.epochs_done == 2 for st in streams)
+    with pytest.raises(RuntimeFailure, match="no shard left"):
+        trainer_stream(run, 2)
 
 
 def test_missing_index_says_what_to_run(tmp_path):
@@ -151,12 +138,6 @@ def test_missing_index_says_what_to_run(tmp_path):
         trainer_stream(run, 0)
     assert e.value.message == f"no shard index at {tmp_path}/nothing/index.json"
     assert "agoractl data sample" in e.value.hint and "agoractl shard" in e.value.hint
-
-
-def test_trainer_outside_the_ledger_is_told_to_rotate(shards, tmp_path):
-    run = fresh_run(shards, tmp_path)
-    with pytest.raises(RuntimeFailure, match="trainer 5 has no entry"):
-        trainer_stream(run, 5)
 
 
 def test_tokenizer_mismatch_is_refused(shards, tmp_path):
@@ -179,7 +160,7 @@ def test_progress_reports_are_per_trainer_files(shards, tmp_path):
     url = report_progress(run, 0, stream)
     body = json.loads(open(url).read())
     assert body["holdings"][0] == {"shard": 0, "epoch": 0, "tokens": body["holdings"][0]["tokens"],
-                                   "consumed": 5 * (SEQ + 1)}
+                                   "consumed": 5 * (SEQ + 1), "skip": []}
     write_progress(run.data.output, 1, [], None)
     assert sorted(p.name for p in (tmp_path / "shards" / "progress").iterdir()) == \
         ["trainer-00000.json", "trainer-00001.json"]

@@ -240,3 +240,53 @@ def test_pure_pipeline_matches_the_centralized_reference(corpus, procs, tmp_path
     assert r["steps"] == c["steps"] == 30 and r["tokens"] == c["tokens"]
     assert abs(r["final_loss"] - c["final_loss"]) / c["final_loss"] < 0.03, (r["final_loss"], c["final_loss"])
     assert len(r["loss"]) == 30 and [s for s, _ in r["loss"]] == list(range(30))
+
+
+def test_swarm_reads_every_shard_of_an_epoch_before_the_next_and_ends_when_the_data_runs_out(procs, tmp_path):
+    """data.epochs 2 on a corpus two epochs of which last fewer steps than max_steps: 2 trainers claim the 4
+    shards from the ledger themselves; no shard of epoch 1 is claimed before every shard of epoch 0 is
+    done (from the ledger), every sequence is trained once per epoch (from the trainers' records), and the
+    swarm ends early, exit 0, with end_reason naming the exhausted data and the step (report, console)."""
+    from agoractl.data.claim_store import claim_store
+    from agoractl.data.claims import ledger_state
+    from agoractl.data.index import read_index
+    from agoractl.data.shard import reshard
+    from tests.data.corpus import load_run, sample_corpus
+
+    src = sample_corpus(tmp_path / "corpus", rows=24, files=1)
+    out = tmp_path / "shards"
+    reshard(load_run(tmp_path, f"{src}/*.parquet", str(out), data__num_shards=4, model__seq_len=64), jobs=1)
+    index = read_index(str(out))
+    per_epoch = {(k, i * 65) for k, s in enumerate(index.shards) for i in range(s.tokens // 65)}
+    run_dir = tmp_path / "run"
+    p, _ = run_swarm(procs, run_dir, TINY + [
+        f"data.source={src}/*.parquet", f"data.output={out}", "data.num_shards=4", "data.epochs=2",
+        "trainers.shards_per_trainer=1", "local.workers_per_stage=1", "local.trainers=2", "trainers.count=2",
+        "trainers.record_sequences=true", "training.max_steps=200",
+        # The second epoch repeats the data: the tiny model's gradients drop ~100x, and reply validation
+        # (relative to the stage's recent median) rejected body-1's one worker and banned it for 600 s in
+        # two runs on this machine, so every later sample was lost. Not what this test is about.
+        "validation.enabled=false"])
+    r = finish(p, run_dir)
+    steps = r["steps"]
+    assert not r["completed"] and 0 < steps < 200
+    assert r["end_reason"] == f"data exhausted after 2 epoch(s) at step {steps} of 200", r["end_reason"]
+    console = (run_dir.parent / "run-swarm.err").read_text()
+    assert f"swarm ended: data exhausted after 2 epoch(s) at step {steps} of 200 (exit code 0)" in console
+
+    seqs = [tuple(s[:3]) for t in r["trainers"] for s in t["sequences"]]
+    for epoch in (0, 1):  # no sequence twice in an epoch
+        mine = [(shard, offset) for shard, e, offset in seqs if e == epoch]
+        assert len(mine) == len(set(mine)) and set(mine) <= per_epoch, epoch
+    # ... and every one once: trained, or given up after its retries (a loaded machine's timeouts), never
+    # read again. On an unloaded machine samples_lost is 0 and each epoch's set is all of per_epoch.
+    assert len(seqs) + r["samples_lost"] == 2 * len(per_epoch), (len(seqs), r["samples_lost"], len(per_epoch))
+    assert {e for _, e, _ in seqs} == {0, 1}
+    assert all(t["sequences"] for t in r["trainers"])  # both trainers read
+
+    epochs = ledger_state(claim_store(str(out)), 4, 2)["epochs"]
+    assert [(e["claimed"], e["done"]) for e in epochs] == [(4, 4), (4, 4)]
+    last_done_0 = max(c["done_at"] for c in epochs[0]["claims"])
+    assert last_done_0 <= min(c["claimed_at"] for c in epochs[1]["claims"])  # epoch 0 read before epoch 1
+    order = [c["shard"] for c in sorted(epochs[1]["claims"], key=lambda c: c["claimed_at"])]
+    assert sorted(order) == [0, 1, 2, 3]

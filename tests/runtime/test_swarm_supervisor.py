@@ -217,3 +217,22 @@ def test_a_signal_stops_once_and_the_bound_ends_a_hanging_stop(tmp_path):
     assert p.returncode == 143 and time.monotonic() - t0 < 10
     assert out.split() == ["stopping", "killed", "everything"]
     assert "SIGINT again: already stopping" in err and "did not stop within 1 s of SIGTERM" in err
+
+
+def test_end_reason_names_exhausted_data_and_the_step():
+    """`launch swarm`'s end_reason (exit 0 for the first two; the third is raised as a runtime failure)."""
+    from agoractl.runtime.swarm import Swarm
+
+    def fake(how, early=None):
+        return SimpleNamespace(signals=SimpleNamespace(signum=None), run=SimpleNamespace(training=SimpleNamespace(
+            max_steps=60, until_step=None)), supervisor=SimpleNamespace(early_end=early, exits=[
+                {"kind": "worker", "how": "its stage reached training.max_steps"}, {"kind": "trainer", "how": how}]))
+
+    exhausted = fake("data exhausted after 1 epoch(s)", "trainer-0 ended early: data exhausted after 1 epoch(s)")
+    assert Swarm._end_reason(exhausted, {"completed": False, "steps": 14}, None) == \
+        "data exhausted after 1 epoch(s) at step 14 of 60"
+    assert Swarm._end_reason(fake("max_steps reached"), {"completed": True, "steps": 60}, None) == \
+        "max_steps reached (step 60)"
+    other = fake("interrupted by SIGTERM", "trainer-0 ended early: interrupted by SIGTERM")
+    assert Swarm._end_reason(other, {"completed": False, "steps": 3}, None) == \
+        "trainer-0 ended early: interrupted by SIGTERM"
