@@ -113,7 +113,7 @@ def test_sigkilled_swarm_resumes_from_the_last_complete_checkpoint(resumed):
     r = resumed.second
     assert r["resume"]["action"] == "resume" and r["resume"]["step"] >= resumed.killed.at
     at = r["resume"]["step"]  # a publish may have completed between our look and the kill
-    assert r["completed"] and r["until_step"] == HALF and r["end_reason"] == "until_step reached"
+    assert r["completed"] and r["until_step"] == HALF and r["end_reason"] == f"until_step reached (step {HALF})"
     assert all(w["step"] == HALF for w in r["workers"]), r["workers"]
     assert {w["resumed"]["loaded_step"] for w in r["workers"]} == {at}
     (trainer,) = r["trainers"]
