@@ -58,7 +58,8 @@ def worker_cpu_to_ready(tree: Path, manifest: Path, maddr: str, out_dir: Path, i
     stats = out_dir / f"worker-{i}.json"
     t0 = time.monotonic()
     p = subprocess.Popen(_cli("launch", "worker", str(manifest), "--stage", "auto", "--initial-peers", maddr,
-                              "--stats", str(stats)),
+                              "--stats", str(stats), "--set", f"checkpoints.store={out_dir / f'store-{i}'}",
+                              "--set", f"local.run_dir={out_dir / f'run-{i}'}"),
                          cwd=tree, env=_env(tree), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          start_new_session=True, text=True)
     wall = None

@@ -33,6 +33,8 @@ BOOTSTRAP_ATTEMPTS = 4
 ``network.startup_timeout_s``): on a saturated machine a dial to a busy seed can fail for a few
 seconds, and a later one gets through (a peer that is really gone fails every attempt, about 5 s
 later than it would fail at once)."""
+UNREACHED = ("failed to connect to bootstrap peers", "none of the initial_peers responded to a ping")
+"""hivemind's errors when no initial peer answered: p2pd could not dial any, or the DHT's ping got no reply."""
 
 
 def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = False):
@@ -53,7 +55,7 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
                 cache_refresh_before_expiry=0, cache_nearest=0, num_replicas=DHT_REPLICAS,
             )
         except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
-            unreached = initial_peers and "failed to connect to bootstrap peers" in str(e)
+            unreached = initial_peers and any(m in str(e) for m in UNREACHED)
             pause = 0.5 * 2.0 ** (attempt - 1)
             if unreached and attempt < BOOTSTRAP_ATTEMPTS and time.monotonic() + pause < deadline:
                 logs.get("node").warning("no initial peer answered; starting the DHT node again",

@@ -125,7 +125,7 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
 
     s = wait_status(status, p, lambda s: bool(s.get("maddrs")), timeout=300)
     intruder = procs.start(agoractl("launch", "worker", str(MANIFEST), "--stage", "body-1",
-                                    *sets(values + ["admission.enabled=false"]),
+                                    *sets(values + ["admission.enabled=false", f"checkpoints.store={tmp_path / 'intruder-store'}"]),
                                     *[a for m in s["maddrs"] for a in ("--initial-peers", m)]),
                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "intruder.err", "wb"))
     s = wait_status(status, p, lambda s: s.get("step", 0) >= 1, timeout=400)
