@@ -175,6 +175,18 @@ class Hosts:
         except OSError:
             pass
 
+    def launcher_run(self, run):
+        """`run` as the launcher's own DHT node sees it: listening on its address on the hosts' bridge."""
+        net = run.network.model_copy(update={"host_maddrs": [f"/ip4/{self.launcher_address}/tcp/0"],
+                                             "announce_maddrs": []})
+        return run.model_copy(update={"network": net})
+
+    def describe(self) -> list[dict]:
+        """Every host of the run: node, namespace, address, link (for status.json and the run report)."""
+        return [{"node": h.name, "ns": h.ns, "address": h.address, "announce": h.announce_maddr,
+                 "bandwidth_mbps": h.shape.bandwidth_mbps if h.shape else None,
+                 "rtt_ms": h.shape.rtt_ms if h.shape else 0.0} for h in self.hosts]
+
     def __enter__(self) -> "Hosts":
         return self.open()
 
