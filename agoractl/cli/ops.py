@@ -118,6 +118,8 @@ def churn(
                                                  show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the random choice of workers.",
                                                 show_default=False)] = None,
+    stage: Annotated[Optional[str], typer.Option(help="Only replace workers of this stage (default: any).",
+                                                 show_default=False)] = None,
     answer_timeout_s: Annotated[float, typer.Option("--answer-timeout-s", min=1,
                                                     help="Seconds to wait for the launcher to carry out a "
                                                          "replacement.")] = 120.0,
@@ -135,15 +137,14 @@ def churn(
     from agoractl.runtime import churn as churning
 
     run = load(manifest, set_)
+    if stage is not None:
+        check_stage(run, stage)
     status_file = Path(run.local.run_dir) / "swarm" / "status.json"
-    if not status_file.exists():
-        raise UsageError(f"no swarm to churn: {status_file} does not exist",
-                         hint="start the run with `agoractl launch swarm FILE` (same --set local.run_dir)")
     rng = random.Random(seed)
     # The schedule starts once the swarm trains (its launcher carries out requests only then).
     if not churning.wait_training(status_file, start_timeout_s):
-        raise RuntimeFailure(f"the swarm did not start training within {start_timeout_s:.0f} s ({status_file})",
-                             hint="is `launch swarm` running with this manifest's local.run_dir?")
+        raise RuntimeFailure(f"no swarm trained within {start_timeout_s:.0f} s: {status_file} shows no step",
+                             hint="start the run with `agoractl launch swarm FILE` (same local.run_dir)")
     start, done = time.monotonic(), []
 
     def log(event: dict) -> None:
@@ -161,7 +162,7 @@ def churn(
             status = json.loads(status_file.read_text())
         except (OSError, ValueError):
             status = {}
-        target = churning.pick(churning.live_workers(status), rng)
+        target = churning.pick([w for w in churning.live_workers(status) if stage in (None, w.get("stage"))], rng)
         if target is None:
             log({"event": "skipped", "t_s": round(time.monotonic() - start, 1),
                  "why": "no stage has two live workers (or the swarm ended)"})
