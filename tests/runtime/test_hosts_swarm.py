@@ -3,7 +3,7 @@ multi-machine run takes — with contributors shaped as in report §3.5.2.2, and
 
 One scenario, run once for the module (a swarm takes minutes to start on 2 shared cores), checked by the
 tests below: ``launch swarm`` with 3 stages x 2 workers (the second of each stage a contributor shaped to
-100 Mbit/s and 100 ms RTT: tc tbf plus the delay line), 2 trainers, SPARTA every 5 steps. Once it trains,
+100 Mbit/s and 100 ms RTT: tc tbf plus the delay line), 2 trainers, SPARTA every 4 steps. Once it trains,
 ``agoractl ops churn --stage head --count 1`` SIGKILLs a head worker and the launcher starts a new one
 through the ordinary join path (on a new host). Needs root and iproute2 (skipped otherwise). Every
 process, namespace and veth is removed at the end, also when the scenario fails.
@@ -30,13 +30,13 @@ pytestmark = [pytest.mark.swarm,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                  reason="needs root and iproute2 (ip, tc) for network namespaces")]
 MANIFEST = MANIFESTS / "local-cpu.yaml"
-MAX_STEPS = 30
+MAX_STEPS = 20
 SETTINGS = [
     "model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8", f"training.max_steps={MAX_STEPS}",
     "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
     "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=150",
     "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "local.max_restarts=0",
-    "data_parallel.method=sparta", "data_parallel.sparta.fraction=0.25", "data_parallel.sparta.every_steps=5",
+    "data_parallel.method=sparta", "data_parallel.sparta.fraction=0.25", "data_parallel.sparta.every_steps=4",
     "data_parallel.sparta.matchmaking_timeout_s=15", "data_parallel.sparta.chunk_timeout_s=8",
     "checkpoints.every_steps=10", "checkpoints.snapshots_every_steps=0",
     "join.max_stale_steps=10", "join.weight_sync_steps=2", "join.optimizer_sync_steps=2",
