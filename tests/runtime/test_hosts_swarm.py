@@ -36,6 +36,9 @@ SETTINGS = [
     "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
     "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=150",
     "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "local.max_restarts=0",
+    # a trainer starts once each stage has a live worker: under load a DHT read can miss a record now and
+    # then, and a trainer waiting to see both workers of every stage at once may wait for the whole run
+    "local.start_with_workers=1",
     "data_parallel.method=sparta", "data_parallel.sparta.fraction=0.25", "data_parallel.sparta.every_steps=4",
     "data_parallel.sparta.matchmaking_timeout_s=15", "data_parallel.sparta.chunk_timeout_s=8",
     "checkpoints.every_steps=10", "checkpoints.snapshots_every_steps=0",
