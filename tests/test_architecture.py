@@ -26,10 +26,12 @@ def test_no_module_over_500_lines():
 
 def test_runtime_holds_only_networked_modules():
     """Every runtime module reaches hivemind, directly, through the DHT records it is handed, or
-    through another runtime module."""
+    through another runtime module; or opens sockets of its own (the emulated hosts' delay line and link
+    probe)."""
     runtime = ROOT / "agoractl" / "runtime"
     texts = {p.stem: p.read_text() for p in runtime.glob("*.py") if p.stem != "__init__"}
-    networked = {m for m, t in texts.items() if "hivemind" in t or "records." in t}
+    networked = {m for m, t in texts.items() if "hivemind" in t or "records." in t
+                 or "import socket" in t or "asyncio.start_server" in t}
     grew = True
     while grew:
         grew = False

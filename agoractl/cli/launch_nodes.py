@@ -196,6 +196,15 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
     if run.model.family == "llama" and run.model.ssn.rank is None:
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
+    if run.local.hosts.enabled:
+        from agoractl.runtime.hosts import check_available
+
+        check_available()  # root, ip and tc: a usage error before anything starts
+        if run.admission.enabled and run.admission.authorizer is None:
+            raise UsageError("local.hosts with admission on needs admission.authorizer: the Authorizer that launch "
+                             "swarm would start listens on loopback, which no emulated host reaches",
+                             hint="start `agoractl launch authorizer` on an address the hosts reach, or set "
+                                  "local.hosts.enabled=false")
     run, set_, authorizer = loopback_authorizer(run, manifest, set_)  # admission on, no URL: one on loopback
     stack = None
     if run.monitoring.enabled:

@@ -1,4 +1,5 @@
-"""``agoractl ops preempt``: fault injection in a running swarm through a DHT signal (report §3.5.3.1).
+"""``agoractl ops preempt``: fault injection in a running swarm through a DHT signal (report §3.5.3.1);
+``agoractl ops churn``: workers replaced on a schedule (report §3.7, :mod:`agoractl.runtime.churn`).
 
 Attaches a temporary client node to the run's DHT, picks the workers to hit among the stage's live
 worker records and writes the preemption signal (:mod:`agoractl.runtime.faults`); the targeted
@@ -8,6 +9,7 @@ workers exit at that point of their next averaging round (exit code 86).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,7 +20,7 @@ from agoractl.cli.output import emit, note, stdout
 from agoractl.errors import RuntimeFailure, UsageError
 
 app = typer.Typer(
-    help="Operate a running swarm: fault injection.",
+    help="Operate a running swarm: fault injection and churn.",
     no_args_is_help=True,
     epilog="Example:\n\n  agoractl ops preempt manifests/local-cpu.yaml --stage body-1 --count 1 --during send "
            "--role contributor",
@@ -104,3 +106,75 @@ def preempt(
     emit(out, as_json, lambda r: stdout.print(
         f"preemption {r['signal']}: {len(r['targets'])} worker(s) of {r['stage']} exit during {r['during']} "
         f"in their next averaging round: {', '.join(t[-8:] for t in r['targets'])}"))
+
+
+@app.command(epilog="Examples:\n\n  agoractl ops churn manifests/local-cpu.yaml --every 60 --for 1800\n\n"
+                    "  agoractl ops churn manifests/local-cpu.yaml --every 20 --for 120 --count 5 --seed 0 --json")
+def churn(
+    manifest: ManifestArg,
+    every: Annotated[float, typer.Option("--every", help="Seconds between replacements.", min=1)],
+    for_: Annotated[float, typer.Option("--for", help="Seconds of churn in all (then it ends).", min=1)],
+    count: Annotated[Optional[int], typer.Option(help="At most this many replacements.", min=1,
+                                                 show_default=False)] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the random choice of workers.",
+                                                show_default=False)] = None,
+    stage: Annotated[Optional[str], typer.Option(help="Only replace workers of this stage (default: any).",
+                                                 show_default=False)] = None,
+    answer_timeout_s: Annotated[float, typer.Option("--answer-timeout-s", min=1,
+                                                    help="Seconds to wait for the launcher to carry out a "
+                                                         "replacement.")] = 120.0,
+    start_timeout_s: Annotated[float, typer.Option("--start-timeout-s", min=1,
+                                                   help="Seconds to wait for the swarm to start training.")] = 900.0,
+    set_: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Churn a swarm that `launch swarm` runs: every EVERY seconds for FOR seconds, SIGKILL a random live worker
+    (never the last of its stage) and start a new one for its stage through the ordinary join path (report
+    §3.7). One line per event (a JSON object per line with --json); the swarm's report lists them too."""
+    import random
+    import time
+
+    from agoractl.runtime import churn as churning
+
+    run = load(manifest, set_)
+    if stage is not None:
+        check_stage(run, stage)
+    status_file = Path(run.local.run_dir) / "swarm" / "status.json"
+    rng = random.Random(seed)
+    # The schedule starts once the swarm trains (its launcher carries out requests only then).
+    if not churning.wait_training(status_file, start_timeout_s):
+        raise RuntimeFailure(f"no swarm trained within {start_timeout_s:.0f} s: {status_file} shows no step",
+                             hint="start the run with `agoractl launch swarm FILE` (same local.run_dir)")
+    start, done = time.monotonic(), []
+
+    def log(event: dict) -> None:
+        if as_json:  # JSON lines: one object per event, as it happens
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
+        else:
+            note(f"churn: {event.get('event')}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k != "event"))
+
+    for offset in churning.schedule(every, for_, count):
+        wait = start + offset - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # the schedule itself: one replacement every --every seconds
+        try:
+            status = json.loads(status_file.read_text())
+        except (OSError, ValueError):
+            status = {}
+        target = churning.pick([w for w in churning.live_workers(status) if stage in (None, w.get("stage"))], rng)
+        if target is None:
+            log({"event": "skipped", "t_s": round(time.monotonic() - start, 1),
+                 "why": "no stage has two live workers (or the swarm ended)"})
+            continue
+        answer = churning.request(Path(run.local.run_dir), target["name"], answer_timeout_s)
+        if answer is None:
+            raise RuntimeFailure(f"the launcher did not answer the replacement of {target['name']} within "
+                                 f"{answer_timeout_s:.0f} s", hint="is `launch swarm` still running? see its output")
+        event = {"event": "replaced" if "killed" in answer else "refused", "t_s": round(time.monotonic() - start, 1),
+                 **{k: v for k, v in answer.items() if k != "joined_s"}}
+        log(event)
+        done.append(event)
+    summary = {"event": "summary", "replaced": sum(e["event"] == "replaced" for e in done), "requests": len(done),
+               "elapsed_s": round(time.monotonic() - start, 1)}
+    log(summary)

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from agoractl.manifest.admission import Admission, admission_errors
+from agoractl.manifest.hosts import Hosts, hosts_errors
 from agoractl.manifest.monitoring import Monitoring
 
 API_VERSION = "agoractl/v1"
@@ -364,6 +365,8 @@ class Local(Section):
     stall_timeout_s: float = Field(300.0, gt=0)
     """Seconds without a completed optimizer step after which `launch swarm` says why the run stalled, and
     ends it (exit code 3) when no restart is pending."""
+    hosts: Hosts = Hosts()
+    """Emulated hosts: every node in its own network namespace, links shaped (root only; agoractl.manifest.hosts)."""
 
 
 class Run(Section):
@@ -483,6 +486,7 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
         out.append(("workers.self_termination.allreduce_failures",
                     f"cannot exceed window_rounds ({st.window_rounds}); got {st.allreduce_failures}"))
     out += admission_errors(run.admission, names)
+    out += hosts_errors(run.local.hosts, names, run.local.workers_per_stage)
     if run.training.schedule.warmup_steps > run.training.max_steps:
         out.append(("training.schedule.warmup_steps",
                     f"exceeds training.max_steps ({run.training.max_steps})"))

@@ -11,7 +11,8 @@ stops every process it started when the trainers finish, on error and on Ctrl-C 
 final stats to ``<run_dir>/swarm/nodes/``; the run report goes to ``<run_dir>/swarm-report.json``
 (:mod:`agoractl.training.swarm_report`). ``<run_dir>/swarm/status.json`` is rewritten every two seconds:
 the seed's multiaddrs, every node's pid, and the stages' progress (what a script needs to join or
-fault-inject a running swarm).
+fault-inject a running swarm). ``local.hosts``: every node on its own emulated host (:mod:`agoractl.runtime.hosts`);
+``ops churn`` replaces workers through the launcher (:mod:`agoractl.runtime.churn`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from agoractl import storage
 from agoractl.auth.node_key import NODE_KEY_ENV
 from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, StalledRun, UsageError
 from agoractl.manifest.schema import Run
-from agoractl.runtime import node
+from agoractl.runtime import churn, node
+from agoractl.runtime.hosts import Hosts
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.runtime.swarm_supervisor import StopSignals, Supervisor
 from agoractl.training.report import write_report
@@ -116,6 +118,8 @@ class Swarm:
         self.resume_options = resume
         """(--resume-step, --fresh, --force): planned against the store in :meth:`prepare`."""
         self.resume_plan = None
+        self.hosts: Optional[Hosts] = None
+        self.peer_maddrs: set[str] = set()
 
     # -- processes ----------------------------------------------------------------------------
 
@@ -131,8 +135,11 @@ class Swarm:
         return [sys.executable, "-m", "agoractl", "launch", kind, str(self.manifest), *sets, *extra]
 
     def _spawn(self, name: str, kind: str, argv: list[str], stage: Optional[str] = None,
-               stdout=subprocess.DEVNULL) -> Node:
+               stdout=subprocess.DEVNULL, role: Optional[str] = None) -> Node:
         log_path = self.dir / "logs" / f"{name}.log"
+        if self.hosts is not None:  # its own emulated host: listen on and announce that host's address
+            host = self.hosts.add(name, kind, role, stage)
+            argv = host.wrap(argv + host.sets())
         env = {**os.environ, node.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         if kind in ("worker", "trainer"):  # one key per slot: a restarted node keeps its metrics instance
             env[NODE_KEY_ENV] = str(self.dir / "keys" / f"{name.split('.r', 1)[0]}.key")
@@ -171,8 +178,9 @@ class Swarm:
 
     def start_worker(self, stage: str, name: str) -> Node:
         stats = self.dir / "nodes" / f"{name}.json"
-        n = self._spawn(name, "worker", self._argv("worker", "--stage", stage, "--stats", str(stats),
-                                                   *self._peer_args()), stage=stage)
+        role = churn.worker_role(name, self.run.local.workers_per_stage, self.run.local.hosts.contributors_per_stage)
+        n = self._spawn(name, "worker", self._argv("worker", "--stage", stage, "--stats", str(stats), "--role", role,
+                                                   *self._peer_args()), stage=stage, role=role)
         n.stats_path = stats
         return n
 
@@ -278,6 +286,7 @@ class Swarm:
         elapsed = time.time() - self.started_training if self.started_training else 0.0
         return {
             "maddrs": self.maddrs,
+            **({"hosts": self.hosts.describe(), "peer_maddrs": sorted(self.peer_maddrs)} if self.hosts else {}),
             "nodes": [{"name": n.name, "kind": n.kind, "stage": n.stage, "pid": n.proc.pid, "exit_code": n.poll()}
                       for n in self.nodes],
             "stages": stages, "step": steps, "max_steps": self.run.training.max_steps,
@@ -343,8 +352,11 @@ class Swarm:
         interrupted, failure = False, None
         try:
             self.signals.install()  # inside the try: a signal right after it still stops what started
+            if self.run.local.hosts.enabled:
+                self.hosts = Hosts(self.run.local.hosts, log_dir=str(self.dir / "logs")).open()
             self.maddrs = self.start_seed(startup * 2)
-            self.dht = node.start_dht(self.run, self.maddrs, client_mode=True)
+            self.dht = node.start_dht(self.hosts.launcher_run(self.run) if self.hosts else self.run, self.maddrs,
+                                      client_mode=True)
             self.records = RunRecords(self.dht, self.run.metadata.name)
             self.on_note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
             for kind in self.utility:
@@ -371,6 +383,8 @@ class Swarm:
             self.stop_all(stalled=isinstance(failure, StalledRun))  # _watch took the last look at the DHT
             if self.dht is not None:
                 node.shutdown_dht(self.dht)
+            if self.hosts is not None:
+                self.hosts.close()
         report = self.report(fallback_elapsed_s=time.time() - (self.started_training or t_begin),
                              interrupted=interrupted or self.signals.signum is not None)
         report["end_reason"] = self._end_reason(report, failure)
@@ -414,11 +428,14 @@ class Swarm:
         while True:
             self.supervisor.tick()  # exited nodes started again; StalledRun when nothing moves
             self._restart_utility()
+            churn.serve_requests(self)  # `ops churn`: replace a worker now
             trainers = self.supervisor.trainers()
             done = [t for t in trainers if self.supervisor.settled(t)]
             if time.monotonic() - last_status >= STATUS_S or len(done) == len(trainers):
                 last_status = time.monotonic()
                 self.observe()
+                if self.hosts is not None:
+                    churn.observe_peers(self)
                 status = self.status()
                 self._write_status(status)
                 if self.on_progress is not None:
@@ -461,6 +478,9 @@ class Swarm:
                            restarts=self.supervisor.restarts(), node_exits=self.supervisor.exits)
         for s in report["stages"]:
             s["restarts"] = self.supervisor.stage_restarts(s["name"])
+        report["churn"] = churn.events(self)
+        if self.hosts is not None:
+            report["hosts"] = {"hosts": self.hosts.describe(), "peer_maddrs": sorted(self.peer_maddrs)}
         return report
 
 

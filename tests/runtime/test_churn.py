@@ -1,0 +1,43 @@
+"""The pure parts of churn (agoractl.runtime.churn): the schedule, the choice of a worker, the roles of a
+swarm's workers, and the request/answer files between ``ops churn`` and the launcher. In-memory and tmp files."""
+
+import json
+import random
+import threading
+
+from agoractl.runtime import churn
+
+
+def test_schedule_is_bounded_in_time_and_count():
+    assert churn.schedule(20, 60, None) == [20, 40, 60]
+    assert churn.schedule(20, 60, 2) == [20, 40]
+    assert churn.schedule(60, 30, None) == []
+
+
+def test_pick_never_takes_the_last_live_worker_of_a_stage():
+    workers = [{"name": "worker-head-0", "stage": "head"}, {"name": "worker-tail-0", "stage": "tail"},
+               {"name": "worker-tail-1", "stage": "tail"}]
+    picks = {churn.pick(workers, random.Random(s))["name"] for s in range(20)}
+    assert picks == {"worker-tail-0", "worker-tail-1"}
+    assert churn.pick(workers[:2], random.Random(0)) is None
+
+
+def test_last_workers_of_a_stage_are_contributors():
+    assert [churn.worker_role(f"worker-body-1-{i}", 3, 1) for i in range(3)] == ["operator", "operator", "contributor"]
+    assert churn.worker_role("worker-body-1-2.r1", 3, 1) == "contributor"  # a restart keeps its role
+    assert churn.worker_role("worker-head-0", 2, 0) == "operator"
+
+
+def test_a_request_is_answered_through_files(tmp_path):
+    folder = tmp_path / "swarm" / churn.REQUESTS
+
+    def launcher():  # what serve_requests does, minus the processes
+        while not list(folder.glob("*.json")):
+            threading.Event().wait(0.05)
+        req = next(folder.glob("*.json"))
+        (folder / f"{req.stem}.done.json").write_text(json.dumps({"killed": json.loads(req.read_text())["node"]}))
+
+    t = threading.Thread(target=launcher)
+    t.start()
+    assert churn.request(tmp_path, "worker-head-1", timeout_s=30) == {"killed": "worker-head-1"}
+    t.join()
