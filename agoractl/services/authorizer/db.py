@@ -37,10 +37,10 @@ def _sqlite_pragmas(conn, _record) -> None:
     conn.execute("PRAGMA synchronous=NORMAL")
 
 
-def migrate(engine: Engine) -> None:
-    """Run the Alembic migrations up to head on ENGINE (idempotent)."""
+def migrate(engine: Engine, migrations: Path = MIGRATIONS) -> None:
+    """Run the Alembic migrations in MIGRATIONS (the Authorizer's by default) up to head on ENGINE (idempotent)."""
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("script_location", str(migrations))
     try:
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn

@@ -8,14 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine
-from sqlalchemy.exc import OperationalError
 
-from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
-from agoractl.services.authorizer.db import engine_for
+from agoractl.services.authorizer import db as authorizer_db
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 DATABASE_ENV = "AGORA_DATABASE_URL"
@@ -32,7 +28,7 @@ def database_url(run: Run) -> str:
 
 
 def open_database(run: Run, migrate_schema: bool = True) -> Engine:
-    engine = engine_for(database_url(run))
+    engine = authorizer_db.engine_for(database_url(run))
     if migrate_schema:
         migrate(engine)
     return engine
@@ -40,13 +36,4 @@ def open_database(run: Run, migrate_schema: bool = True) -> Engine:
 
 def migrate(engine: Engine) -> None:
     """Run the monitor's Alembic migrations up to head on ENGINE (idempotent)."""
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
-    except OperationalError as e:
-        raise RuntimeFailure(f"database {engine.url.render_as_string(hide_password=True)}: "
-                             f"{str(e.orig).strip().splitlines()[0]}",
-                             hint="check AGORA_DATABASE_URL and that the database server is running") from None
+    authorizer_db.migrate(engine, MIGRATIONS)
