@@ -6,7 +6,7 @@ every 4 s) average round after round, while a rogue libp2p peer in the test proc
 and tries, ATTEMPTS times per credential, the handshake, joining its group, sending it a part and downloading
 its state: with no credential, a tampered one, one signed by another authority, another peer's, an expired one
 and a banned node's. Every attempt is refused with its reason, the operator counts each, and every honest round
-completes with the right average (across several renewals). About a minute on a loaded 2-core machine.
+completes with the right average (across several renewals). Two to five minutes on a loaded 2-core machine.
 """
 
 from __future__ import annotations
