@@ -72,7 +72,7 @@ COMMANDS: dict[str, Entry] = {
     "simulate": Entry("agoractl.cli.simulate", "simulate",
                       "Train replicas in this process with the workers' own algorithm code and compare the "
                       "variants."),
-    "ops": Entry("agoractl.cli.ops", "app", "Operate a running swarm: fault injection."),
+    "ops": Entry("agoractl.cli.ops", "app", "Operate a running swarm: fault injection and churn."),
     "export": Entry("agoractl.cli.export", "export",
                     "Assemble the run's model into a Hugging Face LlamaForCausalLM directory."),
     "eval": Entry("agoractl.cli.export", "evaluate",

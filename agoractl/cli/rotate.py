@@ -31,8 +31,9 @@ def rotate_shards(
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Show the shard ledger (per epoch: claims, done, expired), release a dead trainer's shards, or force a
-    wrap into another epoch. Live trainers pick the change up without a restart."""
+    """Show the shard ledger (trainers' claims); release a dead trainer's shards, or allow another epoch.
+
+    Per epoch: claims, done, expired. Live trainers pick the change up without a restart."""
     run = load(file, set_)
     if dry_run and (release is not None or wrap):
         raise UsageError("--dry-run changes nothing: drop --release / --wrap, or --dry-run")
