@@ -17,29 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_runs import ROOT, agoractl, sets
+
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
              "admission.min_bandwidth_mbps=0", "admission.max_latency_ms=10000", "admission.joins_per_minute=6000",
              "admission.credential_ttl_s=60"]
-
-
-def agoractl(*args: str, timeout: float = 1800) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "agoractl", *args, "--json"], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"agoractl {' '.join(args[:2])} failed with exit code {proc.returncode}")
-    return json.loads(proc.stdout)
-
-
-def sets(values: list[str]) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
 
 
 def main() -> None:

@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_runs import ROOT, sets
+
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 TARGET = 0.03
 """The issue's bound: the final loss within 3% of the swarm without faulty nodes."""
@@ -46,10 +47,6 @@ SWARM = ["model.seq_len=64", "workers.max_microbatch=8", "training.schedule.warm
 
 def agoractl(*args: str) -> list[str]:
     return [sys.executable, "-m", "agoractl", *args]
-
-
-def sets(values: list[str]) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
 
 
 def kill_group(pid: int) -> None:

@@ -18,26 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_runs import ROOT, agoractl, sets
+
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
-
-
-def agoractl(*args: str, timeout: float = 1800) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "agoractl", *args, "--json"], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"agoractl {' '.join(args[:2])} failed with exit code {proc.returncode}")
-    return json.loads(proc.stdout)
-
-
-def sets(values: list[str]) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
 
 
 def main() -> None:

@@ -1,0 +1,28 @@
+"""Helpers the benchmarks share to run agoractl commands: a command's JSON output, and `--set` arguments.
+
+Imported by the scripts in this directory when run as ``python benchmarks/<script>.py`` (their directory is
+then first on ``sys.path``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def agoractl(*args: str, timeout: float = 1800) -> dict:
+    """Run `agoractl ARGS --json` in the checkout; its JSON output, or exit with its stderr's tail."""
+    proc = subprocess.run([sys.executable, "-m", "agoractl", *args, "--json"], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"agoractl {' '.join(args[:2])} failed with exit code {proc.returncode}")
+    return json.loads(proc.stdout)
+
+
+def sets(values: list[str]) -> list[str]:
+    """`--set v` for each manifest override v."""
+    return [a for v in values for a in ("--set", v)]
