@@ -77,15 +77,10 @@ class Stack:
 
     def start_pushgateway(self, port: int = 0) -> str:
         port = port or free_port()
-        log = open(self.root / "pushgateway.log", "ab")
         # Its own persistence file: Debian's default (/var/lib/prometheus/pushgateway.data) is shared by every
         # gateway on the machine.
-        proc = subprocess.Popen([binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
-                                 f"--persistence.file={self.root / 'pushgateway.data'}"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        self.pushgateway_url = f"http://127.0.0.1:{port}"
-        wait_ready(self.pushgateway_url + "/-/ready", proc, "prometheus-pushgateway")
+        self.pushgateway_url = self._serve("prometheus-pushgateway", port,
+                                           f"--persistence.file={self.root / 'pushgateway.data'}")
         return self.pushgateway_url
 
     def start_prometheus(self, interval_s: float, port: int = 0, rules: Path = RULES) -> str:
@@ -96,15 +91,19 @@ class Stack:
         config = prometheus_config(self.targets_dir, self.pushgateway_url or None, interval_s,
                                    self.root / "alerts.rules.yml")
         (self.root / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
-        log = open(self.root / "prometheus.log", "ab")
-        proc = subprocess.Popen([binary("prometheus"), f"--config.file={self.root / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={self.root / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"],
+        self.prometheus_url = self._serve("prometheus", port, f"--config.file={self.root / 'prometheus.yml'}",
+                                          f"--storage.tsdb.path={self.root / 'tsdb'}")
+        return self.prometheus_url
+
+    def _serve(self, name: str, port: int, *args: str) -> str:
+        """Start Debian's NAME on 127.0.0.1:PORT (log under the stack's root) and wait until it is ready; its URL."""
+        log = open(self.root / f"{name.removeprefix('prometheus-')}.log", "ab")
+        proc = subprocess.Popen([binary(name), f"--web.listen-address=127.0.0.1:{port}", *args],
                                 stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
-        self.prometheus_url = f"http://127.0.0.1:{port}"
-        wait_ready(self.prometheus_url + "/-/ready", proc, "prometheus")
-        return self.prometheus_url
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/-/ready", proc, name)
+        return url
 
     def stop(self) -> None:
         for proc in self.procs:
