@@ -340,6 +340,8 @@ class WorkerNode:
         gc.set_threshold(*DEFAULT_GC_THRESHOLDS)  # the CLI raised gen 0's for start-up
         self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
                       peer=self.peer, pid=os.getpid())
+        # The optimizer (and the torch._dynamo import it brings) is built while trainers discover us.
+        threading.Thread(target=self.worker.build_optimizer, name="optimizer-build", daemon=True).start()
         last_work = time.monotonic()
         try:
             while not self.stop.is_set():

@@ -83,7 +83,8 @@ class Worker:
             self.master = self.params
         else:  # master weights and moments on the CPU; the device holds a compute copy
             self.master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in self.params]
-        self.optimizer = make_optimizer(self.master, run)
+        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._optimizer_lock = threading.Lock()
         self.progress = StageProgress(run.training.global_batch_size, run.training.stop_step, step, restarts)
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
@@ -102,6 +103,21 @@ class Worker:
         self._closed: Optional[BaseException] = None
         self.progress_changed = threading.Event()
         """Set whenever the local (step, samples) changes, so the node publishes it."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The stage's AdamW, built on first use: torch's optimizer imports torch._dynamo (about half of a
+        worker's start-up CPU), so a node builds it after it is ready (:meth:`build_optimizer` in the
+        background) rather than before it can serve its first forward."""
+        if self._optimizer is None:
+            with self._optimizer_lock:
+                if self._optimizer is None:
+                    self._optimizer = make_optimizer(self.master, self.run)
+        return self._optimizer
+
+    def build_optimizer(self) -> None:
+        """Build the optimizer now (a node calls this in a background thread once it serves)."""
+        self.optimizer
 
     # -- events -------------------------------------------------------------------------------
 
