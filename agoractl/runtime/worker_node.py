@@ -340,13 +340,14 @@ class WorkerNode:
         gc.set_threshold(*DEFAULT_GC_THRESHOLDS)  # the CLI raised gen 0's for start-up
         self.log.info("worker ready", stage=self.stage, step=self.worker.progress.step,
                       peer=self.peer, pid=os.getpid())
-        # The optimizer (and the torch._dynamo import it brings) is built while trainers discover us.
-        threading.Thread(target=self.worker.build_optimizer, name="optimizer-build", daemon=True).start()
-        last_work = time.monotonic()
+        last_work, optimizer_built = time.monotonic(), False
         try:
             while not self.stop.is_set():
                 if self.worker.run_once(0.05):
                     last_work = time.monotonic()
+                elif not optimizer_built:  # first idle moment: while trainers discover us (torch._dynamo's import)
+                    self.worker.build_optimizer()
+                    optimizer_built = True
                 elif self.worker.progress.finished and time.monotonic() - last_work > FINISHED_IDLE_S:
                     self.log.info("stage finished; worker exits", step=self.worker.progress.step)
                     break

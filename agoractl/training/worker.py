@@ -107,8 +107,8 @@ class Worker:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The stage's AdamW, built on first use: torch's optimizer imports torch._dynamo (about half of a
-        worker's start-up CPU), so a node builds it after it is ready (:meth:`build_optimizer` in the
-        background) rather than before it can serve its first forward."""
+        worker's start-up CPU), so a node builds it after it is ready (:meth:`build_optimizer` at its first
+        idle moment, in the thread that computes) rather than before it can serve its first forward."""
         if self._optimizer is None:
             with self._optimizer_lock:
                 if self._optimizer is None:
@@ -116,7 +116,7 @@ class Worker:
         return self._optimizer
 
     def build_optimizer(self) -> None:
-        """Build the optimizer now (a node calls this in a background thread once it serves)."""
+        """Build the optimizer now (a node calls this once it serves and has nothing queued)."""
         self.optimizer
 
     # -- events -------------------------------------------------------------------------------
