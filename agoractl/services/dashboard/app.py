@@ -19,9 +19,9 @@ to a matching ``If-None-Match``, and at most one database (or Prometheus) read p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
@@ -31,6 +31,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from agoractl.errors import RuntimeFailure
 from agoractl.manifest.schema import Run
 from agoractl.services.dashboard import prometheus, queries
 from agoractl.services.dashboard.cache import Cache, matches
@@ -40,10 +41,13 @@ PAGE = Path(__file__).with_name("page.html")
 
 
 def plotly_js() -> Path:
-    """plotly.js as the ``plotly`` PyPI package ships it."""
-    path = Path(str(resources.files("plotly") / "package_data" / "plotly.min.js"))
+    """plotly.js as the ``plotly`` PyPI package ships it (found without importing the Python package)."""
+    spec = importlib.util.find_spec("plotly")
+    path = Path(spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else ".")
+    path = path / "package_data" / "plotly.min.js"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: reinstall the services extra (pip install 'agoractl[services]')")
+        raise RuntimeFailure(f"plotly.js not found at {path} (the dashboard serves it from the plotly package)",
+                             hint="pip install -c constraints.txt -e '.[services]' (or `make install`)")
     return path
 
 
@@ -71,23 +75,25 @@ def create_app(run: Run, engine: Engine, prometheus_url: Optional[str] = None,
 
     def from_db(read):
         def compute():
-            with Session(engine) as s:
+            with Session(engine) as s:  # one connection: one database read
                 return read(s)
         return compute
 
     def runs_compute():
-        return from_db(lambda s: ({"runs": queries.runs(s)}, 200))()
+        return from_db(lambda s: {"runs": queries.runs(s)})(), 200
 
     async def known(name: str) -> bool:
         """Whether NAME is a run of the (cached) run list: an unknown name costs no database read, and the
         cache holds entries for real runs only."""
         return any(r["run"] == name for r in (await entry_for("runs", runs_compute)).value["runs"])
 
-    async def for_run(request: Request, kind: str, name: str, read) -> Response:
+    async def for_run(request: Request, kind: str, name: str, read, then=None) -> Response:
+        """READ(session) for a known run, then THEN(value) (e.g. Prometheus) with the connection returned."""
         if not await known(name):
             return Response(json.dumps({"error": f"no run {name!r} in the database"}), status_code=404,
                             media_type="application/json", headers={"Cache-Control": "public, max-age=1"})
-        return await reply(request, f"{kind}:{name}", from_db(lambda s: (read(s), 200)))
+        db = from_db(read)
+        return await reply(request, f"{kind}:{name}", lambda: ((then or (lambda v: v))(db()), 200))
 
     @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
@@ -107,7 +113,8 @@ def create_app(run: Run, engine: Engine, prometheus_url: Optional[str] = None,
 
     @app.get("/api/runs/{name}/throughput")
     async def throughput(name: str, request: Request) -> Response:
-        return await for_run(request, "throughput", name, lambda s: queries.throughput(s, name, cfg.accelerator_tflops))
+        return await for_run(request, "throughput", name,
+                             lambda s: queries.throughput(s, name, cfg.accelerator_tflops))
 
     @app.get("/api/runs/{name}/nodes")
     async def nodes(name: str, request: Request) -> Response:
@@ -119,11 +126,8 @@ def create_app(run: Run, engine: Engine, prometheus_url: Optional[str] = None,
 
     @app.get("/api/runs/{name}/stages")
     async def stages(name: str, request: Request) -> Response:
-        def read(s):
-            out = queries.stages(s, name)
-            out["sparta"] = prometheus.stage_health(prom, name)
-            return out
-        return await for_run(request, "stages", name, read)
+        return await for_run(request, "stages", name, lambda s: queries.stages(s, name),
+                             lambda out: {**out, "sparta": prometheus.stage_health(prom, name)})
 
     @app.get("/api/runs/{name}/eval")
     async def evaluation(name: str, request: Request) -> Response:
@@ -132,8 +136,8 @@ def create_app(run: Run, engine: Engine, prometheus_url: Optional[str] = None,
     @app.get("/api/runs/{name}/telemetry")
     async def telemetry(name: str, request: Request,
                   instance: Annotated[Optional[str], Query(pattern=r"^[0-9a-f]{16}$")] = None) -> Response:
-        if not known(name):
-            return await for_run(request, "telemetry", name, lambda s: None)  # the 404
+        if not await known(name):
+            return await for_run(request, "telemetry", name, None)  # the 404
         return await reply(request, f"telemetry:{name}:{instance or ''}",
                      lambda: ({"run": name, **prometheus.telemetry(prom, name, instance)}, 200))
 

@@ -91,6 +91,7 @@ def test_stages_eval_and_unknown_run(api):
     assert api.get("/api/runs/beta/eval").json()["eval"] is None
     assert "error" in api.get("/api/runs/alpha/telemetry").json()
     assert api.get("/api/runs/gamma/loss").status_code == 404
+    assert api.get("/api/runs/gamma/telemetry").status_code == 404
     assert api.get("/api/runs/alpha/telemetry", params={"instance": "not-an-instance"}).status_code == 422
 
 
