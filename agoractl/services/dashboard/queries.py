@@ -5,7 +5,8 @@ Definitions (docs/dashboard.md):
 
 - a **loss point** is a snapshot in which the run's counted loss samples grew; its loss is the mean loss of the
   samples counted since the previous snapshot (Δ loss_sum / Δ loss_samples), at the snapshot's time and step;
-- **tokens/s** between consecutive snapshots: Δ tokens / Δ time; **efficiency** η = tokens/s / the pooled
+- **tokens/s** between consecutive snapshots: Δ tokens / Δ time, and over the last minute (``recent``, as
+  ``agoractl status`` measures it); **efficiency** η = tokens/s / the pooled
   dense-BF16 TFLOP/s of the workers present now (report §5.4), only when every present worker's accelerator
   is in ``dashboard.accelerator_tflops``;
 - a node's **status**: ``left`` (the monitor saw it leave), ``syncing`` (weight or optimizer sync),
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from agoractl.services.dashboard import scores
 from agoractl.services.health.models import Contribution, Eval, Presence, PresenceEvent, Snapshot
+from agoractl.services.health.status import RATE_WINDOW_S
 
 SYNCING = ("weight_sync", "optimizer_sync")
 
@@ -141,7 +143,14 @@ def throughput(s: Session, run: str, tflops: dict[str, float]) -> dict:
         if dt > 0:
             tps = max(0, b.data.get("tokens", 0) - a.data.get("tokens", 0)) / dt
             points.append({"at": b.at, "tokens_per_s": tps, "efficiency": tps / pooled if pooled else None})
-    return {"run": run, "as_of": snaps[-1].at if snaps else None, "pooled_tflops": pooled, "points": points}
+    recent = None
+    if snaps:  # over the last RATE_WINDOW_S, as `agoractl status` measures it (trainer reports are less frequent
+        first = next(x for x in snaps if x.at >= snaps[-1].at - RATE_WINDOW_S)  # than the monitor's reads)
+        span = snaps[-1].at - first.at
+        recent = max(0, snaps[-1].data.get("tokens", 0) - first.data.get("tokens", 0)) / span if span > 0 else None
+    return {"run": run, "as_of": snaps[-1].at if snaps else None, "pooled_tflops": pooled, "points": points,
+            "recent": {"window_s": RATE_WINDOW_S, "tokens_per_s": recent,
+                       "efficiency": recent / pooled if recent is not None and pooled else None}}
 
 
 def leaderboard(s: Session, run: str, weights: scores.Weights) -> dict:

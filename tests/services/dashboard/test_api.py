@@ -49,6 +49,8 @@ def test_throughput_and_efficiency(api):
     assert got["pooled_tflops"] == 256.0
     assert [(p["at"], p["tokens_per_s"], p["efficiency"]) for p in got["points"]] == [
         (T0 + 20, 25.6, 0.1), (T0 + 30, 0.0, 0.0), (T0 + 40, 25.6, 0.1), (T0 + 50, 25.6, 0.1)]
+    # Over the last minute: 768 tokens from T0 + 10 to T0 + 50; 19.2 / 256 = 0.075 tokens per TFLOP.
+    assert got["recent"] == {"window_s": 60.0, "tokens_per_s": 19.2, "efficiency": 0.075}
     beta = api.get("/api/runs/beta/throughput").json()  # its worker's hardware is unknown: no efficiency
     assert beta["pooled_tflops"] is None and [p["efficiency"] for p in beta["points"]] == [None]
 

@@ -12,7 +12,7 @@ Health Monitor, a push gateway and a real Prometheus), serving the monitoring is
 - the Dashboard (`agoractl launch dashboard`, a real process on the monitor's database and this Prometheus),
   with a second run's rows written into the same database, driven by Playwright in Debian's headless Chromium:
   the page shows as many loss points as the database holds (up to the snapshot its answer was read at), the
-  live node count, the leaderboard in score order, both runs side by side; its screenshots (1400 px, and 390 px
+  live node count, a node found by its id as active, the leaderboard in score order, both runs side by side; its screenshots (1400 px, and 390 px
   wide with no horizontal scroll) are not blank; its API has each node's live telemetry from Prometheus.
 
 Marked ``swarm`` (one multi-process hivemind run, ~90 s). Needs Debian's prometheus, prometheus-pushgateway and
@@ -30,6 +30,7 @@ import subprocess
 import time
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 from playwright.sync_api import sync_playwright
@@ -125,9 +126,9 @@ def _loss_points(db, run, as_of) -> int:
 
 def _not_blank(path) -> None:
     img = Image.open(path).convert("RGB")
-    pixels = list(img.resize((img.width // 4, img.height // 4)).getdata())
-    inked = sum(1 for p in pixels if min(p) < 200) / len(pixels)
-    colors = len(set(pixels))
+    pixels = np.asarray(img.resize((img.width // 4, img.height // 4))).reshape(-1, 3)
+    inked = float((pixels.min(axis=1) < 200).mean())
+    colors = len(np.unique(pixels, axis=0))
     print(f"MEASURED screenshot {path.name}: {img.width}x{img.height}, {colors} colors, {inked:.1%} inked")
     assert colors > 50 and inked > 0.03, (path, colors, inked)
 
@@ -161,6 +162,11 @@ def _browser_checks(url, db, shots, live_nodes: int) -> None:
                 _wait(live, 30, f"the page's live node count to equal the database's, {live_nodes}")
             finally:
                 print(f"MEASURED dashboard live nodes (page, database): {counts[-3:]}, expected {live_nodes}")
+
+            peer = _rows(db, "SELECT node FROM health_presence WHERE run = 'monrun' AND stage = 'head'")[0][0]
+            page.fill("#find", peer[-12:])  # a contributor finds their node by (part of) its id
+            assert f"monrun: {peer} is active" in page.text_content("#found")
+            page.fill("#find", "")
 
             scores = [float(x) for x in page.locator(f"{sel} table.leaderboard td.score").all_text_contents()]
             seen = _rows(db, "SELECT count(*) FROM health_presence WHERE run = 'monrun'")[0][0]
