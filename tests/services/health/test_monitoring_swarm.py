@@ -234,12 +234,14 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
     assert body_instance in {m["instance"] for m in labels if m.get("stage") == "body-1"}
 
     # The Dashboard on this database (a second run's rows beside the live run's) and this Prometheus.
+    t_dashboard = time.monotonic()
     _second_run(db)
     dashboard = _start_dashboard(procs, run_dir, prom)
     _browser_checks(dashboard, db, tmp_path, sum(n["name"].startswith(("worker-", "trainer-")) for n in st["nodes"]))
     telemetry = httpx.get(f"{dashboard}/api/runs/monrun/telemetry", timeout=30).json()
     assert {(n["role"], n["stage"]) for n in telemetry["nodes"]} == expected, telemetry
     assert "error" not in httpx.get(f"{dashboard}/api/runs/monrun/stages", timeout=30).json()["sparta"]
+    print(f"MEASURED dashboard_checks_s={time.monotonic() - t_dashboard:.1f}")
 
     # The body stage's only worker is SIGKILLed.
     body_peer = _rows(db, "SELECT node FROM health_presence WHERE stage = 'body-1' AND left_at IS NULL")[0][0]
