@@ -12,15 +12,18 @@ $(BIN)/agoractl: pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
-# Debian packages the tests and `launch swarm`'s monitoring use (promtool, Prometheus, its push gateway),
-# installed when missing (apt-get as root, else through sudo).
+# Debian packages the tests and `launch swarm`'s monitoring use (promtool, Prometheus, its push gateway), and
+# the Chromium that the Dashboard's browser test drives through Playwright (Playwright cannot download its own
+# browser here), installed when missing (apt-get as root, else through sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: install demo test system-packages
 install: $(BIN)/agoractl
 
 system-packages:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null \
-	  || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q prometheus prometheus-pushgateway; }
+	  && [ -x /usr/bin/chromium ] \
+	  || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q prometheus \
+	       prometheus-pushgateway chromium; }
 
 demo: install
 	$(BIN)/agoractl demo

@@ -56,7 +56,7 @@ COMMANDS: dict[str, Entry] = {
     "launch": Entry("agoractl.cli.launch", "app",
                     "Start nodes of a run, a whole local swarm, or the centralized reference.",
                     extra=("agoractl.cli.launch_nodes", "agoractl.cli.launch_authorizer",
-                           "agoractl.cli.launch_health")),  # dht|worker|...
+                           "agoractl.cli.launch_health", "agoractl.cli.launch_dashboard")),  # dht|worker|...
     "status": Entry("agoractl.cli.status", "status",
                     "A live summary of a running swarm from the Health Monitor's database."),
     "checkpoint": Entry("agoractl.cli.checkpoint", "app",

@@ -18,7 +18,7 @@ def status(manifest: ManifestArg, set_: SetOpt = None, as_json: JsonOpt = False)
     engine = open_database(run)
     from agoractl.services.health.status import summary
 
-    s = summary(engine)
+    s = summary(engine, run.metadata.name)
     engine.dispose()
     if not s.get("snapshots"):
         raise UsageError(f"the Health Monitor's database holds nothing yet for run {run.metadata.name}",

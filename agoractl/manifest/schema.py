@@ -14,6 +14,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from agoractl.manifest.admission import Admission, admission_errors
+from agoractl.manifest.dashboard import Dashboard
 from agoractl.manifest.hosts import Hosts, hosts_errors
 from agoractl.manifest.monitoring import Monitoring
 
@@ -391,6 +392,7 @@ class Run(Section):
     validation: Validation = Validation()
     admission: Admission = Admission()
     monitoring: Monitoring = Monitoring()
+    dashboard: Dashboard = Dashboard()
     data: Data = Data()
     checkpoints: Checkpoints = Checkpoints()
     network: Network = Network()

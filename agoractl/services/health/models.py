@@ -1,5 +1,6 @@
 """The Health Monitor's database as SQLAlchemy 2 tables; the schema is made by the Alembic migrations beside
-this module (never ``create_all``). Times are wall-clock seconds (``time.time()``)."""
+this module (never ``create_all``). Times are wall-clock seconds (``time.time()``). Every row names its run
+(``metadata.name``): one database may hold several runs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Snapshot(Base):
     """One interval's read of the run: per stage workers by phase, step; per trainer its latest report."""
 
     __tablename__ = "health_snapshots"
+    run: Mapped[str] = mapped_column(String(64), index=True, default="")
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[float] = mapped_column(Float, index=True)
     data: Mapped[dict] = mapped_column(JSON)
@@ -26,6 +28,7 @@ class Presence(Base):
     """A node's presence: first and last time seen in the DHT, and when it left (None while present)."""
 
     __tablename__ = "health_presence"
+    run: Mapped[str] = mapped_column(String(64), index=True, default="")
     node: Mapped[str] = mapped_column(String(128), primary_key=True)
     """Its peer id."""
     kind: Mapped[str] = mapped_column(String(16))
@@ -42,6 +45,7 @@ class PresenceEvent(Base):
     """joined / left, one row per change: the presence history (kept after the node's record expired)."""
 
     __tablename__ = "health_presence_events"
+    run: Mapped[str] = mapped_column(String(64), index=True, default="")
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node: Mapped[str] = mapped_column(String(128), index=True)
     kind: Mapped[str] = mapped_column(String(16))
@@ -54,7 +58,8 @@ class TrainerKey(Base):
     """The node key a trainer index first reported under (trust on first use): another key is a forgery."""
 
     __tablename__ = "health_trainer_keys"
-    trainer: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run: Mapped[str] = mapped_column(String(64), primary_key=True, default="")
+    trainer: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     key: Mapped[str] = mapped_column(String(64))
     at: Mapped[float] = mapped_column(Float)
 
@@ -63,6 +68,7 @@ class TrainerSession(Base):
     """A trainer process's verified progress: cumulative counts from its newest counted report."""
 
     __tablename__ = "health_trainer_sessions"
+    run: Mapped[str] = mapped_column(String(64), index=True, default="")
     trainer: Mapped[int] = mapped_column(Integer, primary_key=True)
     session: Mapped[str] = mapped_column(String(64), primary_key=True)
     key: Mapped[str] = mapped_column(String(64))
@@ -86,6 +92,7 @@ class Contribution(Base):
     """A worker's contributed compute: samples it trained (its own cumulative count) x its stage's FLOPs."""
 
     __tablename__ = "health_contributions"
+    run: Mapped[str] = mapped_column(String(64), index=True, default="")
     node: Mapped[str] = mapped_column(String(128), primary_key=True)
     stage: Mapped[str] = mapped_column(String(64))
     role: Mapped[str] = mapped_column(String(16), default="")
@@ -98,6 +105,7 @@ class Alert(Base):
     """A check that failed: raised when the condition begins, resolved when it ends."""
 
     __tablename__ = "health_alerts"
+    run: Mapped[str] = mapped_column(String(64), index=True, default="")
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(String(32), index=True)
     subject: Mapped[str] = mapped_column(String(128))
@@ -114,4 +122,19 @@ class Flagged(Base):
     __tablename__ = "health_flagged"
     subject: Mapped[str] = mapped_column(String(128), primary_key=True)
     reason: Mapped[str] = mapped_column(String(256))
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Eval(Base):
+    """Validation loss and perplexity of a checkpoint on held-out shards."""
+
+    __tablename__ = "health_evals"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run: Mapped[str] = mapped_column(String(64), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    """The checkpoint's step."""
+    loss: Mapped[float] = mapped_column(Float)
+    perplexity: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    """Held-out tokens scored."""
     at: Mapped[float] = mapped_column(Float)

@@ -11,6 +11,8 @@ aggregates.
 FLOPs contributed per worker: samples it trained (its own cumulative count, in its record) x its stage's
 ``flops_per_sample`` from ``manifest plan`` (model FLOPs: the forward that the worker's backward recomputes
 is not counted).
+
+Every row it writes and reads is its run's (``metadata.name``): several runs may share one database.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from agoractl import logs
@@ -45,6 +47,8 @@ class Monitor:
         self.stages = run.stage_names()
         self.flops = {s: stage_flops_per_sample(run, i) for i, s in enumerate(self.stages)}
         self.log = logs.get("health")
+        self.name = run.metadata.name
+        self._adopt()
         self._completed = -1
         self._last_progress = time.time()
 
@@ -62,7 +66,7 @@ class Monitor:
             if totals["completed"] != self._completed:
                 self._completed, self._last_progress = totals["completed"], now
             conditions += checks.stalled(now, self._last_progress, self.run.monitoring.stall_after_s, began, finished)
-            s.add(Snapshot(at=now, data={"stages": {st: {
+            s.add(Snapshot(run=self.name, at=now, data={"stages": {st: {
                 "workers": len(reading.workers.get(st, {})), "serving": checks.serving(reading.workers.get(st, {})),
                 "phases": _count(r.phase for r in reading.workers.get(st, {}).values()),
                 "step": max((r.step for r in reading.workers.get(st, {}).values()), default=0)}
@@ -71,12 +75,19 @@ class Monitor:
             s.commit()
         return conditions
 
+    def _adopt(self) -> None:
+        """Rows written before the database named runs (schema h0002: run '') are this run's."""
+        with Session(self.engine) as s:
+            for table in (Snapshot, Presence, PresenceEvent, TrainerKey, TrainerSession, Contribution, Alert):
+                s.execute(update(table).where(table.run == "").values(run=self.name))
+            s.commit()
+
     # -- pieces of a tick -------------------------------------------------------------------------------
 
     def _progress(self, s: Session, reading: Reading) -> list[Condition]:
         out = []
         for index, (rec, verified) in sorted(reading.trainers.items()):
-            known = s.get(TrainerKey, index)
+            known = s.get(TrainerKey, (self.name, index))
             bad = checks.forgery(index, rec, verified, known.key if known else None)
             if bad is not None:
                 out.append(bad)
@@ -86,11 +97,11 @@ class Monitor:
             if s.get(Flagged, rec.key) is not None or not rec.session:
                 continue
             if known is None:
-                s.add(TrainerKey(trainer=index, key=rec.key, at=reading.at))
+                s.add(TrainerKey(run=self.name, trainer=index, key=rec.key, at=reading.at))
             row = s.get(TrainerSession, (index, rec.session))
             if row is None:
-                row = TrainerSession(trainer=index, session=rec.session, key=rec.key, peer=rec.peer, seq=0,
-                                     first_at=reading.at, updated_at=reading.at)
+                row = TrainerSession(run=self.name, trainer=index, session=rec.session, key=rec.key, peer=rec.peer,
+                                     seq=0, first_at=reading.at, updated_at=reading.at)
                 s.add(row)
             if rec.seq <= row.seq:
                 continue  # counted already (a repeat read, or an older report)
@@ -112,19 +123,20 @@ class Monitor:
         for node, (kind, stage, role, phase) in seen.items():
             row = s.get(Presence, node)
             if row is None:
-                s.add(Presence(node=node, kind=kind, stage=stage, role=role, phase=phase, first_seen=now,
+                s.add(Presence(run=self.name, node=node, kind=kind, stage=stage, role=role, phase=phase, first_seen=now,
                                last_seen=now))
-                s.add(PresenceEvent(node=node, kind=kind, stage=stage, event="joined", at=now))
+                s.add(PresenceEvent(run=self.name, node=node, kind=kind, stage=stage, event="joined", at=now))
                 self.log.info("node joined", node=node, kind=kind, stage=stage)
                 continue
             if row.left_at is not None:
                 row.left_at = None
-                s.add(PresenceEvent(node=node, kind=kind, stage=stage, event="joined", at=now))
+                s.add(PresenceEvent(run=self.name, node=node, kind=kind, stage=stage, event="joined", at=now))
             row.last_seen, row.stage, row.role, row.phase = now, stage, role, phase
-        for row in s.scalars(select(Presence).where(Presence.left_at.is_(None))):
+        for row in s.scalars(select(Presence).where(Presence.run == self.name, Presence.left_at.is_(None))):
             if row.node not in seen:
                 row.left_at = now
-                s.add(PresenceEvent(node=row.node, kind=row.kind, stage=row.stage, event="left", at=now))
+                s.add(PresenceEvent(run=self.name, node=row.node, kind=row.kind, stage=row.stage, event="left",
+                                    at=now))
                 self.log.info("node left", node=row.node, kind=row.kind, stage=row.stage, last_seen=row.last_seen)
         return len(seen)
 
@@ -133,7 +145,7 @@ class Monitor:
             for peer, r in records.items():
                 row = s.get(Contribution, peer)
                 if row is None:
-                    row = Contribution(node=peer, stage=stage, role=r.role, samples=0, flops=0.0,
+                    row = Contribution(run=self.name, node=peer, stage=stage, role=r.role, samples=0, flops=0.0,
                                        updated_at=reading.at)
                     s.add(row)
                 if r.samples > row.samples:
@@ -142,17 +154,20 @@ class Monitor:
 
     def _totals(self, s: Session) -> dict:
         flagged = set(s.scalars(select(Flagged.subject)))
-        rows = [r for r in s.scalars(select(TrainerSession)) if r.key not in flagged]
+        rows = [r for r in s.scalars(select(TrainerSession).where(TrainerSession.run == self.name))
+                if r.key not in flagged]
         return {"sessions": len(rows), "completed": sum(r.completed for r in rows),
                 "loss_sum": sum(r.loss_sum for r in rows), "loss_samples": sum(r.loss_samples for r in rows),
                 "tokens": sum(r.tokens for r in rows), "all_done": bool(rows) and all(r.done for r in rows)}
 
     def _alerts(self, s: Session, conditions: list[Condition], now: float) -> None:
-        active = {(a.kind, a.subject): a for a in s.scalars(select(Alert).where(Alert.resolved_at.is_(None)))}
+        active = {(a.kind, a.subject): a for a in s.scalars(select(Alert).where(Alert.run == self.name,
+                                                                               Alert.resolved_at.is_(None)))}
         holding = {(c.kind, c.subject): c for c in conditions}
         for key, c in holding.items():
             if key not in active:
-                s.add(Alert(kind=c.kind, subject=c.subject, stage=c.stage, detail=c.detail[:512], raised_at=now))
+                s.add(Alert(run=self.name, kind=c.kind, subject=c.subject, stage=c.stage, detail=c.detail[:512],
+                            raised_at=now))
                 self.log.warning("alert", kind=c.kind, subject=c.subject, stage=c.stage, detail=c.detail)
         for key, a in active.items():
             if key not in holding:

@@ -8,9 +8,15 @@ Health Monitor, a push gateway and a real Prometheus), serving the monitoring is
   AgoraStageLostPeers fires in /api/v1/alerts within the rule's `for` plus two scrape intervals;
 - a forged trainer report stored in the run's DHT raises forged_report, and the forger is in no aggregate;
 - Prometheus shows every worker and the trainer with the labels run, role, stage and instance (the instance the
-  node's slot key gives).
+  node's slot key gives);
+- the Dashboard (`agoractl launch dashboard`, a real process on the monitor's database and this Prometheus),
+  with a second run's rows written into the same database, driven by Playwright in Debian's headless Chromium:
+  the page shows as many loss points as the database holds (up to the snapshot its answer was read at), the
+  live node count, a node found by its id as active, the leaderboard in score order, both runs side by side; its screenshots (1400 px, and 390 px
+  wide with no horizontal scroll) are not blank; its API has each node's live telemetry from Prometheus.
 
-Marked ``swarm`` (one multi-process hivemind run, ~90 s). Needs Debian's prometheus and prometheus-pushgateway.
+Marked ``swarm`` (one multi-process hivemind run, ~90 s). Needs Debian's prometheus, prometheus-pushgateway and
+chromium (`make system-packages`).
 """
 
 from __future__ import annotations
@@ -24,17 +30,26 @@ import subprocess
 import time
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
+from playwright.sync_api import sync_playwright
+from sqlalchemy.orm import Session
 
 from agoractl.auth import node_key
 from agoractl.manifest.schema import Run
 from agoractl.runtime import node
 from agoractl.runtime.records import RunRecords, TrainerRecord
-from agoractl.services.health.stack import binary
-from tests.runtime.test_swarm import TINY, corpus, err_tail, procs, run_swarm, wait_status  # noqa: F401 (fixtures)
+from agoractl.services.authorizer.db import engine_for
+from agoractl.services.health.models import Contribution, Presence, PresenceEvent, Snapshot
+from agoractl.services.health.stack import binary, free_port
+from tests.runtime.test_swarm import (MANIFEST, TINY, agoractl, corpus, err_tail, procs, run_swarm,  # noqa: F401
+                                      sets, wait_status)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 INTERVAL_S, ANNOUNCE_S, SCRAPE_S, FOR_S = 1.0, 1.0, 1.0, 30.0
+CHROMIUM = "/usr/bin/chromium"
+SECOND_RUN = "monrun-b"
 
 
 def _rows(db, sql, *args):
@@ -59,9 +74,126 @@ def _node(status, name):
     return next(n for n in status["nodes"] if n["name"] == name)
 
 
+def _second_run(db) -> None:
+    """A finished second run's rows, written into the live run's database beside its rows."""
+    engine = engine_for(f"sqlite:///{db}")
+    t = time.time() - 3600
+    try:
+        with Session(engine) as s:
+            for i in range(5):
+                s.add(Snapshot(run=SECOND_RUN, at=t + 10 * i, data={
+                    "stages": {"head": {"workers": 1, "serving": 1, "phases": {"active": 1}, "step": i}},
+                    "completed": 4 * i, "loss_sum": (6.0 - 0.5 * i) * 4 * i, "loss_samples": 4 * i,
+                    "tokens": 256 * i}))
+            s.add(Presence(run=SECOND_RUN, node="QmSecondRunWorker", kind="worker", stage="head", role="operator",
+                           phase="active", first_seen=t, last_seen=t + 40, left_at=t + 45))
+            s.add_all([PresenceEvent(run=SECOND_RUN, node="QmSecondRunWorker", kind="worker", stage="head",
+                                     event=e, at=at) for e, at in (("joined", t), ("left", t + 45))])
+            s.add(Contribution(run=SECOND_RUN, node="QmSecondRunWorker", stage="head", role="operator", samples=16,
+                               flops=16e12, updated_at=t + 40))
+            s.commit()
+    finally:
+        engine.dispose()
+
+
+def _start_dashboard(procs, run_dir, prom) -> str:
+    """`agoractl launch dashboard` on the swarm's health database and Prometheus; its URL once it answers."""
+    port = free_port()
+    procs.start(agoractl("launch", "dashboard", str(MANIFEST), *sets(
+        ["metadata.name=monrun", f"local.run_dir={run_dir}", "dashboard.cache_s=1", "dashboard.refresh_s=2"]),
+        "--port", str(port), "--prometheus", prom),
+        stdout=subprocess.DEVNULL, stderr=open(run_dir.parent / "dashboard.err", "wb"))
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return httpx.get(url + "/api/runs", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    _wait(up, 90, "the dashboard")
+    return url
+
+
+def _loss_points(db, run, as_of) -> int:
+    """Loss points as the database holds them up to AS_OF: snapshots in which the counted loss samples grew."""
+    n, prev = 0, 0
+    for (data,) in _rows(db, "SELECT data FROM health_snapshots WHERE run = ? AND at <= ? ORDER BY at, id", run,
+                         as_of):
+        samples = json.loads(data).get("loss_samples", 0)
+        n, prev = n + (samples > prev), samples
+    return n
+
+
+def _not_blank(path) -> None:
+    img = Image.open(path).convert("RGB")
+    pixels = np.asarray(img.resize((img.width // 4, img.height // 4))).reshape(-1, 3)
+    inked = float((pixels.min(axis=1) < 200).mean())
+    colors = len(np.unique(pixels, axis=0))
+    print(f"MEASURED screenshot {path.name}: {img.width}x{img.height}, {colors} colors, {inked:.1%} inked")
+    assert colors > 50 and inked > 0.03, (path, colors, inked)
+
+
+def _browser_checks(url, db, shots, live_nodes: int) -> None:
+    """The page in headless Chromium: loss points, live node count, leaderboard order, two runs side by side,
+    screenshots at desktop and phone width."""
+    sel = 'section.run[data-run="monrun"]'
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url + "/")
+            page.wait_for_selector(f'section.run[data-run="{SECOND_RUN}"]', timeout=60_000)
+            page.wait_for_function("Number(document.body.dataset.refreshed) >= 1", timeout=60_000)
+
+            as_of, shown = page.evaluate(f"""() => {{ const s = document.querySelector('{sel}');
+                return [Number(s.dataset.asOf), s.querySelector('.loss-step').data[0].x.length]; }}""")
+            held = _loss_points(db, "monrun", as_of)
+            print(f"MEASURED dashboard loss points: page {shown}, database {held} (as of {as_of})")
+            assert shown == held > 0
+
+            counts = []
+
+            def live():  # every worker and trainer is present: the page's count is the database's
+                page_n = int(page.text_content(f"{sel} .live-nodes"))
+                db_n = _rows(db, "SELECT count(*) FROM health_presence WHERE run = 'monrun' AND left_at IS NULL")
+                counts.append((page_n, db_n and db_n[0][0]))
+                return page_n if db_n and page_n == db_n[0][0] == live_nodes else None
+            try:
+                _wait(live, 30, f"the page's live node count to equal the database's, {live_nodes}")
+            finally:
+                print(f"MEASURED dashboard live nodes (page, database): {counts[-3:]}, expected {live_nodes}")
+
+            peer = _rows(db, "SELECT node FROM health_presence WHERE run = 'monrun' AND stage = 'head'")[0][0]
+            page.fill("#find", peer[-12:])  # a contributor finds their node by (part of) its id
+            assert f"monrun: {peer} is active" in page.text_content("#found")
+            page.fill("#find", "")
+
+            scores = [float(x) for x in page.locator(f"{sel} table.leaderboard td.score").all_text_contents()]
+            seen = _rows(db, "SELECT count(*) FROM health_presence WHERE run = 'monrun'")[0][0]
+            assert len(scores) == seen and scores == sorted(scores, reverse=True) and scores[0] > 0, scores
+
+            boxes = page.evaluate("[...document.querySelectorAll('section.run')].map(s => { const r = "
+                                  "s.getBoundingClientRect(); return [s.dataset.run, r.left, r.top, r.right]; })")
+            assert [b[0] for b in boxes] == ["monrun", SECOND_RUN], boxes
+            assert boxes[0][2] == boxes[1][2] and boxes[0][3] <= boxes[1][1], boxes  # one row, two columns
+            page.screenshot(path=shots / "dashboard.png", full_page=True)
+            _not_blank(shots / "dashboard.png")
+
+            page.set_viewport_size({"width": 390, "height": 844})
+            refreshed = int(page.evaluate("document.body.dataset.refreshed"))
+            page.wait_for_function(f"Number(document.body.dataset.refreshed) > {refreshed}", timeout=60_000)
+            width = page.evaluate("[document.documentElement.scrollWidth, document.body.scrollWidth, innerWidth]")
+            assert max(width[:2]) <= width[2] == 390, width
+            page.screenshot(path=shots / "dashboard-390.png", full_page=True)
+            _not_blank(shots / "dashboard-390.png")
+        finally:
+            browser.close()
+
+
 def test_monitoring_swarm(corpus, procs, tmp_path):
     for b in ("prometheus", "prometheus-pushgateway"):
         binary(b)  # fails (never skips) without the Debian packages
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make system-packages` installs Debian's chromium"
     run_dir = tmp_path / "run"
     values = [*corpus, *TINY, "metadata.name=monrun", "training.max_steps=100000", "local.max_restarts=0",
               f"workers.announce_period_s={ANNOUNCE_S:g}", "monitoring.enabled=true",
@@ -100,6 +232,16 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
     body_key = run_dir / "swarm" / "keys" / "worker-body-1-0.key"
     body_instance = node_key.instance_id(node_key.load_or_create(body_key))
     assert body_instance in {m["instance"] for m in labels if m.get("stage") == "body-1"}
+
+    # The Dashboard on this database (a second run's rows beside the live run's) and this Prometheus.
+    t_dashboard = time.monotonic()
+    _second_run(db)
+    dashboard = _start_dashboard(procs, run_dir, prom)
+    _browser_checks(dashboard, db, tmp_path, sum(n["name"].startswith(("worker-", "trainer-")) for n in st["nodes"]))
+    telemetry = httpx.get(f"{dashboard}/api/runs/monrun/telemetry", timeout=30).json()
+    assert {(n["role"], n["stage"]) for n in telemetry["nodes"]} == expected, telemetry
+    assert "error" not in httpx.get(f"{dashboard}/api/runs/monrun/stages", timeout=30).json()["sparta"]
+    print(f"MEASURED dashboard_checks_s={time.monotonic() - t_dashboard:.1f}")
 
     # The body stage's only worker is SIGKILLed.
     body_peer = _rows(db, "SELECT node FROM health_presence WHERE stage = 'body-1' AND left_at IS NULL")[0][0]
