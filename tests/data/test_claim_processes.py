@@ -90,6 +90,7 @@ def claim_run(serial_s3_server, tmp_path_factory):
                 mp.setenv(k, v)
         reshard(load_run(tmp, f"{src}/*.parquet", out, data__num_shards=SHARDS, model__seq_len=SEQ), jobs=1)
         result = run_all(tmp, env, out, read_index(out))
+    (tmp / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "index"}))  # to look at
     return result
 
 
