@@ -122,25 +122,33 @@ def s3_server():
         yield endpoint
 
 
+def s3_client_env(endpoint: str) -> dict:
+    """The environment that points agoractl (and boto3) at a loopback S3 server with test credentials, and
+    a `make_bucket(name)` helper (returns ``s3://name``) under key 'make_bucket'."""
+    import boto3
+
+    env = {"AGORA_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def make_bucket(name: str) -> str:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    return {**env, "make_bucket": make_bucket}
+
+
 @pytest.fixture
 def s3_env(s3_server, monkeypatch):
     """Point this process (and subprocesses given os.environ) at the loopback S3 server.
 
     Returns a dict of the variables set, and a `make_bucket(name)` helper under key 'make_bucket'.
     """
-    import boto3
-
-    env = {"AGORA_S3_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = s3_client_env(s3_server)
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-    def make_bucket(name: str) -> str:
-        boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket=name)
-        return f"s3://{name}"
-
-    return {**env, "make_bucket": make_bucket}
+        if k != "make_bucket":
+            monkeypatch.setenv(k, v)
+    return env
 
 
 @pytest.fixture(scope="session")
@@ -153,16 +161,8 @@ def serial_s3_server():
 @pytest.fixture
 def serial_s3_env(serial_s3_server, monkeypatch):
     """Like `s3_env`, against :func:`serial_s3_server`; returns the environment and 'make_bucket'."""
-    import boto3
-
-    env = {"AGORA_S3_ENDPOINT_URL": serial_s3_server, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = s3_client_env(serial_s3_server)
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-    def make_bucket(name: str) -> str:
-        boto3.client("s3", endpoint_url=serial_s3_server, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket=name)
-        return f"s3://{name}"
-
-    return {**env, "make_bucket": make_bucket}
+        if k != "make_bucket":
+            monkeypatch.setenv(k, v)
+    return env

@@ -10,7 +10,7 @@ earlier one was still in flight), and ``done``.
 
 - **Claiming** creates the object only if absent (:mod:`agoractl.data.claim_store`: S3
   ``If-None-Match: *``, locally a hard link): of two trainers racing for a shard exactly one wins;
-  the loser tries the next shard of the epoch's order.
+  the loser lists the epoch again and tries the next shard of its order not claimed yet.
 - **Progress and leases** are compare-and-swap rewrites (S3 ``If-Match``, locally flock +
   rename) by the holder, after every completed sample and at least every ``lease_s / 3``.
 - **A dead trainer's shard**: once ``lease_until`` has passed, any trainer may take the claim over by
@@ -132,7 +132,8 @@ class ClaimLedger:
         """Up to `n` claims of the current epoch: unclaimed shards in the epoch's order (from position ``trainer * n`` on, wrapping, so that
         trainers starting together rarely race for one shard), then claims of this trainer index (a restarted
         process) or with an expired lease (continued where their holder stopped). An empty list means: wait (the epoch's last shards are held by live trainers).
-        Raises Exhausted when every allowed epoch is done."""
+        Raises Exhausted when every allowed epoch is done. A lost race re-reads the epoch's claimed shards, so
+        claimants starting together cost a few requests each, not one failed create per shard taken."""
         epoch, claimed, done = self.current_epoch()
         got: list[Claim] = []
         open_ = [s for s in claimed - done if (s, epoch) not in self.tags]
@@ -149,6 +150,8 @@ class ClaimLedger:
                 self.tags[(shard, epoch)] = tag
                 self.claimed_at[(shard, epoch)] = c.claimed_at
                 got.append(c)
+            else:  # lost a race: look again (one LIST) rather than lose one more per shard others took meanwhile
+                claimed |= self.epoch_names(epoch)[0]
         if len(got) < n and open_:
             now = self.clock()
             for shard, (c, tag) in self.read_claims(epoch, [s for s in open_ if (s, epoch) not in self.tags]).items():

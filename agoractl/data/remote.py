@@ -18,18 +18,21 @@ from agoractl import storage
 _ENV = ("AGORA_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
         "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "HF_TOKEN", "HF_ENDPOINT")
 _CACHE: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """Like :func:`agoractl.storage.filesystem`, reusing one remote filesystem per process and store."""
+    """Like :func:`agoractl.storage.filesystem`, reusing one remote filesystem per process and store (made
+    once under a lock: threads starting together share it rather than each building a client)."""
     if not storage.is_remote(url):
         return storage.filesystem(url)
     key = (os.getpid(), url.split("://", 1)[0], tuple(os.environ.get(k) for k in _ENV))
-    fs = _CACHE.get(key)
-    if fs is None:
-        fs, path = storage.filesystem(url)
-        _CACHE[key] = fs
-        return fs, path
+    with _LOCK:
+        fs = _CACHE.get(key)
+        if fs is None:
+            fs, path = storage.filesystem(url)
+            _CACHE[key] = fs
+            return fs, path
     return fs, fs._strip_protocol(url)
 
 

@@ -264,7 +264,9 @@ class Trainers(Section):
     """Seconds between DHT look-ups of each stage's workers (report §3.3.2.2: ~30)."""
     record_sequences: bool = False
     """Keep every completed sequence's [shard, epoch, token offset, step] in the trainer's stats (audits
-    that no sequence is trained twice, e.g. across a resume); one entry per sample, so off by default."""
+    that no sequence is trained twice, e.g. across a resume), and log each sample's [shard, epoch, offset]
+    as it is settled (``sequences settled``, completed or given up: the record of a trainer killed before
+    it wrote its stats); one entry per sample, so off by default."""
     ban_s: float = Field(60.0, ge=0)
     """Seconds a failed worker stays banned."""
     retries: int = Field(3, ge=0)

@@ -52,10 +52,8 @@ from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
 from agoractl.training.data_resume import DrawLog
 from agoractl.training.node_stats import FINISHED_REASONS, TrainerNodeStats, TrainerStageStats
 
-PUBLISH_S = 2.0
-"""Seconds between the trainer's DHT records (the swarm's live progress)."""
-DATA_REPORT_S = 10.0
-"""Seconds between reports of data consumption to the shard ledger's progress files."""
+PUBLISH_S = 2.0  # seconds between the trainer's DHT records (the swarm's live progress)
+DATA_REPORT_S = 10.0  # seconds between reports of data consumption to the shard ledger's progress files
 
 
 class Trainer:
@@ -88,8 +86,7 @@ class Trainer:
         self.stats = TrainerNodeStats(trainer=index, stages=self.counters)
         self.seen_step = {s: 0 for s in self.stages}
         self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
-        self.in_flight = 0
-        self.cpu_at_start: dict = {}
+        self.in_flight, self.cpu_at_start = 0, {}
         self._recent_loss: list[float] = []
         self.key = node_key.load_or_create()
         self.last_loss: Optional[float] = None
@@ -301,9 +298,11 @@ class Trainer:
                 ids.append(list(self._stream.last))
         return (torch.stack(drawn), ids, draw) if drawn else None
 
-    def _settle(self, seq_ids: list) -> None:
-        """Completed (or given up): noted at once (a reader waiting at the epoch's end flushes it itself),
-        then written to the shard ledger on the data thread, so no later reader reads it again."""
+    def _settle(self, seq_ids: list, completed: bool) -> None:
+        """Completed (or given up): noted at once (a reader waiting at the epoch's end flushes it), then written
+        to the shard ledger on the data thread; logged with trainers.record_sequences (a killed trainer's record)."""
+        if self.t.record_sequences:
+            self.log.info("sequences settled", sequences=seq_ids, completed=completed)
         for shard, epoch, offset in seq_ids:
             self._stream.settle(shard, epoch, offset)
 
@@ -335,15 +334,16 @@ class Trainer:
             self.stats.dispatched += n
             self.stats.first_dispatch = self.stats.first_dispatch or time.time()
             self.in_flight += n
+            ok = False
             try:
-                if await self.run_sample(batch, seq_ids, draw):
+                if ok := await self.run_sample(batch, seq_ids, draw):
                     self.stats.completed += n
                     self.stats.last_completion = time.time()
                     self.stall.observe(self.stats.completed, time.monotonic())
             finally:
                 self.in_flight -= n
                 if seq_ids and hasattr(self._stream, "settle"):
-                    self._settle(seq_ids)
+                    self._settle(seq_ids, ok)
                     await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)
 
     def record(self, done: bool = False) -> TrainerRecord:
