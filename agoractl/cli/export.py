@@ -1,5 +1,6 @@
 """``agoractl export`` and ``agoractl eval``: a trained run as a Hugging Face Llama directory, and its
-held-out perplexity measured the way lm-eval-harness measures it. Thin: parse, check, call
+checkpoint's held-out loss and perplexity (recorded for the Dashboard), scored as lm-eval-harness scores
+documents. Thin: parse, check, call
 :mod:`agoractl.ops.export` / :mod:`agoractl.ops.evaluate`, render."""
 
 from __future__ import annotations
@@ -56,31 +57,51 @@ def export(
 
 def evaluate(
     manifest: ManifestArg,
-    model: Annotated[Path, typer.Option("--model", help="An exported directory (agoractl export).",
-                                        show_default=False)],
+    model: Annotated[Optional[Path], typer.Option(
+        "--model", help="An exported directory (agoractl export) to score instead of the run's checkpoint; "
+                        "nothing is written to the database.", show_default=False)] = None,
     shard: Annotated[Optional[list[int]], typer.Option(
-        "--shard", help="Held-out shard(s) of data.output to read documents from (default: the last).",
-        show_default=False)] = None,
+        "--shard", help="Shard(s) of data.output to read documents from (default: the held-out ones; with "
+                        "--model and none held out, the last).", show_default=False)] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Documents to evaluate.")] = 32,
+    step: StepOpt = None,
+    source: SourceOpt = Source.store,
     task_dir: Annotated[Optional[Path], typer.Option(
         "--write-task", help="Also write these documents as a local lm-eval task (JSON lines + YAML) here.",
         show_default=False)] = None,
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Held-out perplexity of an exported model, scored as lm-eval-harness scores it.
+    """Validation loss and perplexity of the run's latest checkpoint on the held-out shards, written to the
+    Health Monitor's database (the Dashboard shows it).
 
-    Rolling-window log-likelihood over documents of held-out shards, as lm-eval's
-    loglikelihood_rolling scores them; --write-task gives lm-eval the same documents."""
+    The held-out shards are the last data.heldout_shards, which `agoractl shard` reserves (trainers never claim
+    them). Documents are scored by rolling-window log-likelihood, as lm-eval-harness's loglikelihood_rolling
+    scores them; loss is the mean NLL per token (nats), perplexity exp(loss). With --model, an exported model
+    is scored instead (token and byte perplexity; --write-task gives lm-eval the same documents)."""
     run = load(manifest, set_)
+    from agoractl.data.index import read_index
+    from agoractl.ops import evaluate as ev
+
+    if model is None:
+        if task_dir is not None:
+            raise UsageError("--write-task needs --model", hint="export the checkpoint first: agoractl export")
+        result = ev.checkpoint_loss(run, shard or ev.heldout_shards(run), limit, source.value, step)
+        from agoractl.services.health import evals  # sqlalchemy, alembic: only here
+
+        result["database"] = evals.record(run, result)
+        emit(result, as_json, lambda r: stdout.print(
+            f"step {r['step']} ({r['source']}): validation loss {r['loss']:.4f}, perplexity {r['perplexity']:.4f} "
+            f"on {r['documents']} documents, {r['tokens']:,} tokens of shard(s) "
+            f"{', '.join(map(str, r['shards']))}; recorded in {r['database']}"))
+        return
     if not (model / "config.json").is_file():
         raise UsageError(f"--model {model}: no config.json", hint="export one with: agoractl export FILE --to DIR")
-    from agoractl.data.index import read_index
     from agoractl.data.tokenizers import load_tokenizer
-    from agoractl.ops import evaluate as ev
     from agoractl.ops.export import load_exported
 
-    shards = shard or [len(read_index(run.data.output).shards) - 1]
+    index = read_index(run.data.output)
+    shards = shard or index.heldout or [len(index.shards) - 1]
     documents = ev.heldout_documents(run, shards, limit)
     net = load_exported(model)
     result = ev.perplexity(lambda ids: net(ids).logits, load_tokenizer(run), documents, run.model.seq_len)

@@ -76,7 +76,7 @@ COMMANDS: dict[str, Entry] = {
     "export": Entry("agoractl.cli.export", "export",
                     "Assemble the run's model into a Hugging Face LlamaForCausalLM directory."),
     "eval": Entry("agoractl.cli.export", "evaluate",
-                  "Held-out perplexity of an exported model, scored as lm-eval-harness scores it."),
+                  "Validation loss and perplexity of the latest checkpoint on the held-out shards."),
     "auth": Entry("agoractl.cli.auth", "app",
                   "The authority's keys and a running Authorizer: policy, report, nodes, bans."),
     "demo": Entry("agoractl.cli.demo", "demo",

@@ -42,11 +42,11 @@ def rotate_shards(
     released: list = []
     if release is not None:
         released = [{"shard": s, "epoch": e} for s, e in release_trainer(store, release)]
-    before = ledger_state(store, len(index.shards), run.data.epochs)["allowed_epochs"]
+    before = ledger_state(store, index.training, run.data.epochs)["allowed_epochs"]
     allowed = allow_epochs(store, before + 1) if wrap else before
     data = {"ledger": f"{run.data.output.rstrip('/')}/{CLAIMS_DIR}", "released": released,
-            **ledger_state(store, len(index.shards), run.data.epochs), "allowed_epochs": allowed,
-            "shards": len(index.shards), "dry_run": dry_run}
+            **ledger_state(store, index.training, run.data.epochs), "allowed_epochs": allowed,
+            "shards": index.training, "dry_run": dry_run}
     emit(data, as_json, _render)
     if release is not None and not released:
         note(f"trainer {release} holds no open claim")

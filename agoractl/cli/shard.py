@@ -105,7 +105,7 @@ def shard(
         ex.close()
     idx = result.index
     seconds = {k: round(v, 3) for k, v in {**result.seconds, "total": time.perf_counter() - t0}.items()}
-    data = {"shards": len(idx.shards), "rows": idx.rows, "tokens": idx.tokens,
+    data = {"shards": len(idx.shards), "heldout": idx.heldout, "rows": idx.rows, "tokens": idx.tokens,
             "dropped": sum(idx.dropped.values()), "dropped_by": idx.dropped, "index": result.url,
             "written": result.written, "output": run.data.output, "seed": idx.seed,
             "bytes": sum(s.bytes for s in idx.shards), "executor": executor, "workers": ex.workers,
@@ -116,7 +116,8 @@ def shard(
 
 def _render(data: dict) -> None:
     t = Table(box=None, show_header=False)
-    t.add_row("shards", f"{data['shards']} ({data['written']} written, {data['shards'] - data['written']} kept)")
+    t.add_row("shards", f"{data['shards']} ({data['written']} written, {data['shards'] - data['written']} kept)"
+              + (f"; held out for `agoractl eval`: {', '.join(map(str, data['heldout']))}" if data["heldout"] else ""))
     t.add_row("documents", f"{data['rows']} ({data['dropped']} dropped: "
               + ", ".join(f"{k} {v}" for k, v in data["dropped_by"].items()) + ")")
     t.add_row("tokens", human_count(data["tokens"]))

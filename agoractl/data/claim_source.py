@@ -27,7 +27,7 @@ class ClaimSource:
     """Claims as a :class:`~agoractl.data.stream.LedgerSource`, with in-flight bookkeeping."""
 
     def __init__(self, run: Run, index: ShardIndex, trainer: int, clock=time.time):
-        self.ledger = ClaimLedger(claim_store(run.data.output), [s.tokens for s in index.shards], run.data.seed,
+        self.ledger = ClaimLedger(claim_store(run.data.output), [s.tokens for s in index.shards[:index.training]], run.data.seed,
                                   run.data.epochs, trainer, run.data.lease_s, clock=clock)
         self.per_claim = run.trainers.shards_per_trainer
         self.seq_len = run.model.seq_len

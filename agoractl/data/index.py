@@ -4,7 +4,8 @@ The index is written last by ``agoractl shard``, after every shard it lists has 
 verified, so a shard exists only once it is in the index. Per shard it records rows, tokens (under
 the manifest's tokenizer, one EOS per document), bytes and sha256; for the whole corpus the seed,
 the sources, the tokenizer and a fingerprint of all of them that the ledger and the resumable
-writer use to tell whether files on disk belong to this configuration.
+writer use to tell whether files on disk belong to this configuration; and the held-out shards (the last
+``data.heldout_shards``), which trainers never claim and ``agoractl eval`` scores checkpoints on.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class ShardIndex:
     dropped: dict[str, int]
     shards: list[ShardEntry] = field(default_factory=list)
     format: str = FORMAT
+    heldout: list[int] = field(default_factory=list)
+    """Held-out shards (``data.heldout_shards``): always the last ones; trainers never claim them."""
+
+    @property
+    def training(self) -> int:
+        """How many shards trainers claim: shards 0 .. training - 1 (every shard but the held-out ones)."""
+        return len(self.shards) - len(self.heldout)
 
     def to_json(self) -> bytes:
         return (json.dumps(asdict(self), indent=1) + "\n").encode()
@@ -64,7 +72,11 @@ class ShardIndex:
             if raw.get("format") != FORMAT:
                 raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT!r}")
             raw["shards"] = [ShardEntry(**s) for s in raw["shards"]]
-            return cls(**raw)
+            index = cls(**raw)
+            n = len(index.shards)
+            if index.heldout != list(range(n - len(index.heldout), n)) or len(index.heldout) >= n:
+                raise ValueError(f"held-out shards {index.heldout} are not the last ones of {n}")
+            return index
         except (ValueError, TypeError, KeyError) as e:
             raise RuntimeFailure(f"{url}: not a valid shard index ({e})",
                                  hint="rerun `agoractl shard FILE` to rewrite it")

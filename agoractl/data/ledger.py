@@ -112,7 +112,7 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
 
 def initial_ledger(index: ShardIndex, trainers: int, shards_per_trainer: int, seq_len: int, seed: int) -> Ledger:
     """Trainer i holds shards order[i*p:(i+1)*p]; trainers past the end of the corpus hold none."""
-    order = epoch_order(len(index.shards), seed, 0)
+    order = epoch_order(index.training, seed, 0)
     entries, cursor = [], 0
     for i in range(trainers):
         take = order[cursor:cursor + shards_per_trainer]
@@ -191,7 +191,7 @@ def rotate(ledger: Ledger, index: ShardIndex, trainers: int, wrap: bool = False,
                 if not wrap:
                     break
                 ledger.epoch += 1
-                ledger.order = epoch_order(len(index.shards), ledger.seed, ledger.epoch)
+                ledger.order = epoch_order(index.training, ledger.seed, ledger.epoch)
                 ledger.cursor = 0
                 wrap = False  # one new epoch per rotation at most
                 if not ledger.order:

@@ -334,6 +334,11 @@ def _prepare_work(work: str, fp: str, unit_bytes: int, output: str, source: str)
         spill.write_json(plan_url, {**body, "output": output, "source": source})
 
 
+def heldout(num_shards: int, count: int) -> list[int]:
+    """The held-out shards: the last `count` (they are pre-shuffled like every other)."""
+    return list(range(num_shards - count, num_shards))
+
+
 def reshard(run: Run, jobs: int = 1, progress: Optional[Progress] = None, work_dir: Optional[str] = None,
             unit_bytes: int = UNIT_BYTES, executor: Optional[Executor] = None) -> Result:
     """Re-shard ``run.data.source`` into ``run.data.num_shards`` shards under ``run.data.output``.
@@ -368,6 +373,9 @@ def _reshard(run: Run, executor: Executor, progress: Optional[Progress], work_di
         existing = None
     listed = remote.listing(output)
     if existing and existing.fingerprint == fp and all(verify_shard(output, e, listed) for e in existing.shards):
+        if existing.heldout != heldout(num, d.heldout_shards):  # only the held-out split changed
+            existing.heldout = heldout(num, d.heldout_shards)
+            write_index(output, existing)
         return Result(existing, index_url(output), 0, {"total": time.perf_counter() - t0}, input_bytes)
     if existing and existing.fingerprint == fp:
         for k, e in enumerate(existing.shards):  # keep the good shards of a damaged corpus
@@ -407,7 +415,7 @@ def _reshard(run: Run, executor: Executor, progress: Optional[Progress], work_di
                        id_column=d.id_column, min_int_score=d.min_int_score, tokenizer=tokenizer,
                        sources=[{"url": f.url, "bytes": f.size, "rows": f.rows} for f in files],
                        rows=sum(e.rows for e in shards), tokens=sum(e.tokens for e in shards), dropped=dropped,
-                       shards=shards)
+                       shards=shards, heldout=heldout(num, d.heldout_shards))
     url = write_index(output, index)
     # The index now vouches for the shards: markers and spills are no longer needed.
     remote.remove(storage.join(output, DONE_DIR), recursive=True)

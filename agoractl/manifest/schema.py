@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 
 from agoractl.manifest.admission import Admission, admission_errors
 from agoractl.manifest.dashboard import Dashboard
+from agoractl.manifest.data import Data
 from agoractl.manifest.hosts import Hosts, hosts_errors
 from agoractl.manifest.monitoring import Monitoring
 
@@ -299,32 +300,6 @@ class Validation(Section):
     for ordinary failures."""
 
 
-class Data(Section):
-    source: str = "runs/local-cpu/sample/*.parquet"
-    """Input parquet files: local path or glob, s3://bucket/prefix/*.parquet, or hf://datasets/..."""
-    text_column: str = "text"
-    """Column holding the document text."""
-    id_column: str = "id"
-    """Column holding a unique document id."""
-    num_shards: int = Field(8, gt=0)
-    """Shards to write (the reference run: 10,080)."""
-    seed: int = 0
-    """Shuffle seed of re-sharding."""
-    output: str = "runs/local-cpu/shards"
-    """Where shards, index.json and the shard ledger (claims/) go (local path or s3://)."""
-    min_int_score: Optional[int] = Field(None, ge=0)
-    """Drop documents whose int_score is below this; null = keep all."""
-    epochs: int = Field(1, gt=0)
-    """Passes over the corpus. Trainers claim shards from the shard ledger (``<output>/claims/``) until
-    every shard of the epoch is read, then start the next epoch (a new shard order drawn from ``seed``)
-    while fewer than this many are done; after the last one the run ends early ("data exhausted")."""
-    lease_s: float = Field(60.0, gt=0)
-    """Seconds a trainer's shard claim stays valid without a renewal (trainers renew every lease_s / 3 and
-    after every completed sample); a dead trainer's shards go back to the pool this long after it died,
-    and the next trainer continues them from its last completed sample. Trainers' clocks must agree to
-    well within this."""
-
-
 class Checkpoints(Section):
     store: str = "runs/local-cpu/store"
     """Checkpoint store: local path, file:// or s3:// URL. Credentials come from the environment."""
@@ -490,6 +465,9 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
         out.append(("workers.self_termination.allreduce_failures",
                     f"cannot exceed window_rounds ({st.window_rounds}); got {st.allreduce_failures}"))
     out += admission_errors(run.admission, names)
+    if run.data.heldout_shards >= run.data.num_shards:
+        out.append(("data.heldout_shards", f"must be below data.num_shards ({run.data.num_shards}): trainers need "
+                                           f"a shard; got {run.data.heldout_shards}"))
     out += hosts_errors(run.local.hosts, names, run.local.workers_per_stage)
     if run.training.schedule.warmup_steps > run.training.max_steps:
         out.append(("training.schedule.warmup_steps",

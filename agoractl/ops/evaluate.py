@@ -11,6 +11,9 @@ the bytes tokenizer they are the same number.
 :func:`write_lm_eval_task` writes the same documents as a local lm-eval task (JSON lines + a task
 YAML), so that ``lm_eval --include_path DIR --tasks agoractl_heldout`` scores the exported model on
 exactly these sequences, offline.
+
+:func:`checkpoint_loss` scores a run's checkpoint itself (agoractl's own model, no export) on the shards
+``agoractl shard`` held out (``data.heldout_shards``): validation loss (mean NLL per token, nats) and perplexity.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import pyarrow.parquet as pq
 import torch
 
 from agoractl.data import remote
-from agoractl.data.index import read_index
+from agoractl.data.index import index_url, read_index
 from agoractl.data.tokenizers import Tokenizer
 from agoractl.errors import UsageError
 from agoractl.manifest.schema import Run
@@ -58,6 +61,35 @@ def document_nll(logits_fn: Callable[[torch.Tensor], torch.Tensor], tokens: Sequ
         scored = logp[len(inputs) - len(targets):]
         total -= float(scored.gather(1, torch.tensor(targets, dtype=torch.long)[:, None]).sum())
     return total
+
+
+def heldout_shards(run: Run) -> list[int]:
+    """The shards the index holds out; a one-line UsageError when it holds none."""
+    index = read_index(run.data.output)
+    if not index.heldout:
+        how = "rerun `agoractl shard FILE` to record them" if run.data.heldout_shards else \
+            "set data.heldout_shards (e.g. 1) and rerun `agoractl shard FILE`, or pass --shard"
+        raise UsageError(f"{index_url(run.data.output)}: no held-out shards", hint=how)
+    return index.heldout
+
+
+def checkpoint_loss(run: Run, shards: Sequence[int], limit: int, source: str = "store",
+                    step: Optional[int] = None) -> dict:
+    """Validation loss and perplexity of the run's checkpoint (`step`, default the latest; ``source`` store:
+    every stage's at one step; central: ``launch central``'s) on up to `limit` documents of `shards`."""
+    from agoractl.data.tokenizers import load_tokenizer
+    from agoractl.model.build import build_model
+    from agoractl.ops.export import state_from_central, state_from_store
+
+    documents = heldout_documents(run, shards, limit)
+    got, state = state_from_store(run, step) if source == "store" else state_from_central(run, step)
+    model = build_model(run)
+    model.load_state_dict(state)
+    model.eval()
+    r = perplexity(model, load_tokenizer(run), documents, run.model.seq_len)
+    loss = r["nll"] / r["tokens"]
+    return {"run": run.metadata.name, "step": got, "source": source, "shards": list(shards),
+            "documents": r["documents"], "tokens": r["tokens"], "loss": loss, "perplexity": math.exp(loss)}
 
 
 def heldout_documents(run: Run, shards: Sequence[int], limit: int) -> list[str]:

@@ -105,7 +105,7 @@ def state_from_store(run: Run, step: Optional[int] = None) -> tuple[int, dict[st
     if missing:
         raise RuntimeFailure(f"{store.url}: no checkpoint of stage {missing[0]}"
                              + (f" (nor of {', '.join(missing[1:])})" if missing[1:] else ""),
-                             hint="export needs every stage; publish the missing one, or train longer")
+                             hint="export and eval need every stage; publish the missing one, or train longer")
     if step is None:
         latest = {s: store.latest_step(s) for s in names}
         if len(set(latest.values())) != 1:
