@@ -25,7 +25,7 @@ system-packages:
 	  || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q prometheus \
 	       prometheus-pushgateway chromium; }
 
-demo: install
+demo: install system-packages
 	$(BIN)/agoractl demo
 
 test: install system-packages

@@ -1,4 +1,5 @@
-"""``agoractl demo``: the embedded default manifest, end to end, one public command after another.
+"""``agoractl demo``: the embedded default manifest, end to end, one public command after another, ending with
+the Dashboard's URL and a screenshot of it (``<local.run_dir>/dashboard.png``).
 
 Each step is an ordinary ``agoractl`` command line; the demo prints it, then runs it as a
 subprocess, and stops at the first failure with that step's exit code.
@@ -35,6 +36,13 @@ def default_manifest() -> Path:
     return manifests_dir() / DEFAULT_MANIFEST
 
 
+def screenshot_path(manifest: Path) -> str:
+    """Where the demo's screenshot of the Dashboard goes: ``<local.run_dir>/dashboard.png``."""
+    from agoractl.manifest.loader import load_manifest
+
+    return str(Path(load_manifest(manifest).local.run_dir) / "dashboard.png")
+
+
 def steps(manifest: Path) -> list[list[str]]:
     """The demo's command lines, in order. Each capability adds its step here."""
     m = str(manifest)
@@ -44,12 +52,15 @@ def steps(manifest: Path) -> list[list[str]]:
         *data_steps(manifest),
         # --fresh --force: a second demo starts over (the first one's checkpoints are moved aside).
         ["launch", "central", m, "--set", "training.max_steps=20", "--fresh", "--force"],
-        # Two replicas per stage, so that SPARTA averages and the replicas' snapshots can be compared.
+        # Two replicas per stage, so that SPARTA averages and the replicas' snapshots can be compared; the Health
+        # Monitor, Prometheus and the Dashboard beside them (it prints its URL).
         ["launch", "swarm", m, "--set", "training.max_steps=20", "--set", "local.workers_per_stage=2",
-         "--fresh", "--force"],
+         "--set", "monitoring.enabled=true", "--set", "dashboard.enabled=true", "--fresh", "--force"],
         ["checkpoint", "list", m],
         ["analyze", "divergence", m, "--stage", "head"],
         ["simulate", m, "--scenario", "fgdiloco", "--rounds", "4", "--inner-steps", "4", "--set", "model.seq_len=64"],
+        # Last: the Dashboard on the swarm's health database: its URL, and a screenshot of it.
+        ["launch", "dashboard", m, "--screenshot", screenshot_path(manifest)],
     ]
 
 

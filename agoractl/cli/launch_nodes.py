@@ -206,13 +206,21 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
                              hint="start `agoractl launch authorizer` on an address the hosts reach, or set "
                                   "local.hosts.enabled=false")
     run, set_, authorizer = loopback_authorizer(run, manifest, set_)  # admission on, no URL: one on loopback
-    stack = None
+    stack, utility = None, ()
     if run.monitoring.enabled:
+        from agoractl.services.dashboard import swarm as dashboard
         from agoractl.services.health import stack as monitoring  # prometheus, fastapi: only when asked for
 
         try:
+            if run.dashboard.enabled:
+                dashboard.check_port(run)  # taken: one line before anything starts
             stack, set_ = monitoring.for_swarm(run, set_, note)
+            utility = ("health",)
+            if run.dashboard.enabled:  # a utility node too: on the monitor's database and this Prometheus
+                set_, utility = dashboard.for_swarm(run, set_, stack.prometheus_url, note), (*utility, dashboard.KIND)
         except BaseException:
+            if stack is not None:
+                stack.stop()
             if authorizer is not None:
                 authorizer.stop()
             raise
@@ -222,7 +230,7 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
         try:
             report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note,
-                           resume=(resume_step, fresh, force), utility=("health",) if stack else ()).run_swarm()
+                           resume=(resume_step, fresh, force), utility=utility).run_swarm()
         finally:
             if authorizer is not None:
                 authorizer.stop()

@@ -22,6 +22,9 @@ class Score(BaseModel):
 class Dashboard(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
+    enabled: bool = False
+    """`launch swarm` with monitoring.enabled also starts the Dashboard (a utility node beside the Health Monitor,
+    on its database and the swarm's Prometheus) on host:port and prints its URL."""
     host: str = "127.0.0.1"
     """Address `agoractl launch dashboard` listens on."""
     port: int = Field(8480, ge=1, le=65535)

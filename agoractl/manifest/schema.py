@@ -465,6 +465,8 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
         out.append(("workers.self_termination.allreduce_failures",
                     f"cannot exceed window_rounds ({st.window_rounds}); got {st.allreduce_failures}"))
     out += admission_errors(run.admission, names)
+    if run.dashboard.enabled and not run.monitoring.enabled:
+        out.append(("dashboard.enabled", "needs monitoring.enabled: the Dashboard reads the Health Monitor's database"))
     if run.data.heldout_shards >= run.data.num_shards:
         out.append(("data.heldout_shards", f"must be below data.num_shards ({run.data.num_shards}): trainers need "
                                            f"a shard; got {run.data.heldout_shards}"))

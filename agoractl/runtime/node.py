@@ -183,3 +183,13 @@ def shutdown_dht(dht) -> None:
             proc.kill()
         except psutil.Error:
             pass
+
+
+NO_DHT_UTILITIES = frozenset({"dashboard"})
+"""Utility nodes of ``launch swarm`` (``agoractl launch KIND``) that never read the DHT (the Dashboard reads the
+Health Monitor's database and Prometheus): started without --initial-peers."""
+
+
+def utility_args(kind: str, peer_args: list[str]) -> list[str]:
+    """The extra arguments of the swarm's utility node KIND, given its ``--initial-peers`` arguments."""
+    return [] if kind in NO_DHT_UTILITIES else list(peer_args)

@@ -204,7 +204,7 @@ class Swarm:
             runs = [n for n in self.nodes if n.kind == kind]
             if runs and runs[-1].poll() is not None:
                 self.on_note(f"{runs[-1].name} exited with code {runs[-1].exit_code}; starting it again")
-                self._spawn(f"{kind}.r{len(runs)}", kind, self._argv(kind, *self._peer_args()))
+                self._spawn(f"{kind}.r{len(runs)}", kind, self._argv(kind, *node.utility_args(kind, self._peer_args())))
 
     def _peer_args(self) -> list[str]:
         return [a for m in self.maddrs for a in ("--initial-peers", m)]
@@ -360,7 +360,7 @@ class Swarm:
             self.records = RunRecords(self.dht, self.run.metadata.name)
             self.on_note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
             for kind in self.utility:
-                self._spawn(kind, kind, self._argv(kind, *self._peer_args()))
+                self._spawn(kind, kind, self._argv(kind, *node.utility_args(kind, self._peer_args())))
             for s in self.run.stage_names():
                 for i in range(self.run.local.workers_per_stage):
                     self.start_worker(s, f"worker-{s}-{i}")

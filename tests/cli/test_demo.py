@@ -2,6 +2,8 @@
 
 import pytest
 
+from tests.services.health.test_monitoring_swarm import _not_blank
+
 
 def test_demo_dry_run_lists_steps(cli):
     out = cli("demo", "--dry-run", check=0).stdout
@@ -10,7 +12,7 @@ def test_demo_dry_run_lists_steps(cli):
 
 
 @pytest.mark.swarm  # the demo's own swarm: never beside another one
-def test_demo_runs_steps_in_order(cli):
+def test_demo_runs_steps_in_order(cli, tmp_path):
     proc = cli("demo", check=0, timeout=1200)
     out = proc.stdout
     assert out.index("$ agoractl manifest validate") < out.index("$ agoractl manifest plan")
@@ -20,3 +22,5 @@ def test_demo_runs_steps_in_order(cli):
         assert step in out, step
     assert out.index("$ agoractl launch swarm") < out.index("$ agoractl checkpoint list") < \
         out.index("$ agoractl analyze divergence")
+    assert out.rstrip().splitlines()[-1].startswith("dashboard: http://127.0.0.1:8480/ "), out[-500:]  # ends with it
+    _not_blank(tmp_path / "runs" / "local-cpu" / "dashboard.png")  # the screenshot of the swarm's Dashboard

@@ -9,7 +9,8 @@ Health Monitor, a push gateway and a real Prometheus), serving the monitoring is
 - a forged trainer report stored in the run's DHT raises forged_report, and the forger is in no aggregate;
 - Prometheus shows every worker and the trainer with the labels run, role, stage and instance (the instance the
   node's slot key gives);
-- the Dashboard (`agoractl launch dashboard`, a real process on the monitor's database and this Prometheus),
+- the Dashboard (dashboard.enabled: the swarm starts `agoractl launch dashboard` beside the Health Monitor, on
+  its database and this Prometheus, and prints its URL),
   with a second run's rows written into the same database, driven by Playwright in Debian's headless Chromium:
   the page shows as many loss points as the database holds (up to the snapshot its answer was read at), the
   live node count, a node found by its id as active, the leaderboard in score order, both runs side by side; its screenshots (1400 px, and 390 px
@@ -96,14 +97,10 @@ def _second_run(db) -> None:
         engine.dispose()
 
 
-def _start_dashboard(procs, run_dir, prom) -> str:
-    """`agoractl launch dashboard` on the swarm's health database and Prometheus; its URL once it answers."""
-    port = free_port()
-    procs.start(agoractl("launch", "dashboard", str(MANIFEST), *sets(
-        ["metadata.name=monrun", f"local.run_dir={run_dir}", "dashboard.cache_s=1", "dashboard.refresh_s=2"]),
-        "--port", str(port), "--prometheus", prom),
-        stdout=subprocess.DEVNULL, stderr=open(run_dir.parent / "dashboard.err", "wb"))
-    url = f"http://127.0.0.1:{port}"
+def _dashboard_up(run_dir, port) -> str:
+    """The Dashboard the swarm started (dashboard.enabled): the URL it printed, once it answers."""
+    url = re.search(r"dashboard: (http://127\.0\.0\.1:\d+)/ ", err_tail(run_dir)).group(1)
+    assert url == f"http://127.0.0.1:{port}", url
 
     def up():
         try:
@@ -194,11 +191,12 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
     for b in ("prometheus", "prometheus-pushgateway"):
         binary(b)  # fails (never skips) without the Debian packages
     assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make system-packages` installs Debian's chromium"
-    run_dir = tmp_path / "run"
+    run_dir, dashboard_port = tmp_path / "run", free_port()
     values = [*corpus, *TINY, "metadata.name=monrun", "training.max_steps=100000", "local.max_restarts=0",
               f"workers.announce_period_s={ANNOUNCE_S:g}", "monitoring.enabled=true",
               f"monitoring.interval_s={INTERVAL_S:g}", f"monitoring.scrape_interval_s={SCRAPE_S:g}",
-              "monitoring.min_replicas=1"]
+              "monitoring.min_replicas=1", "dashboard.enabled=true", f"dashboard.port={dashboard_port}",
+              "dashboard.cache_s=1", "dashboard.refresh_s=2"]
     p, status_path = run_swarm(procs, run_dir, values)
     db = run_dir / "health" / "health.db"
     st = wait_status(status_path, p, lambda s: s["completed_samples"] >= 4, timeout=240)
@@ -236,7 +234,8 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
     # The Dashboard on this database (a second run's rows beside the live run's) and this Prometheus.
     t_dashboard = time.monotonic()
     _second_run(db)
-    dashboard = _start_dashboard(procs, run_dir, prom)
+    dashboard = _dashboard_up(run_dir, dashboard_port)
+    assert _node(st, "dashboard")["exit_code"] is None  # a utility node of the swarm
     _browser_checks(dashboard, db, tmp_path, sum(n["name"].startswith(("worker-", "trainer-")) for n in st["nodes"]))
     telemetry = httpx.get(f"{dashboard}/api/runs/monrun/telemetry", timeout=30).json()
     assert {(n["role"], n["stage"]) for n in telemetry["nodes"]} == expected, telemetry
