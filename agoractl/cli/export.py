@@ -72,8 +72,9 @@ def evaluate(
     set_: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Validation loss and perplexity of the run's latest checkpoint on the held-out shards, written to the
-    Health Monitor's database (the Dashboard shows it).
+    """Validation loss and perplexity of the latest checkpoint on the held-out shards.
+
+    The result is written to the Health Monitor's database (table health_evals), where the Dashboard shows it.
 
     The held-out shards are the last data.heldout_shards, which `agoractl shard` reserves (trainers never claim
     them). Documents are scored by rolling-window log-likelihood, as lm-eval-harness's loglikelihood_rolling
