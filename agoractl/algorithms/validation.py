@@ -26,9 +26,9 @@ longer than an ordinary failure's ``trainers.ban_s``).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Optional, Sequence
 
 import torch
@@ -40,6 +40,7 @@ REASONS = ("non_finite", "shape", "dtype", "magnitude", "loss")
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Dtypes a boundary tensor may travel in (as :data:`agoractl.model.codec.WIRE_DTYPES`)."""
 ID_DTYPES = (torch.int32, torch.int64)
+_WIRE_DTYPE_SET, _ID_DTYPE_SET = frozenset(WIRE_DTYPES.values()), frozenset(ID_DTYPES)
 RMS_FLOOR = 1e-12
 """Least RMS a bound is derived from (an all-zero history must not reject every non-zero value)."""
 
@@ -103,10 +104,17 @@ def request_problem(method: str, ids, wire, grad, vocab_size: int, needs_wire: b
     """What is wrong with a stage request, in one line; None when the worker may compute it.
 
     `ids` [b, seq_len+1] token ids; `wire` the stage input [b, seq_len, width] (required when
-    `needs_wire`); `grad` the gradient of the stage output (backward only)."""
+    `needs_wire`); `grad` the gradient of the stage output (backward only). A valid request costs its
+    structure in Python and one ``aminmax`` per tensor (the same operation for each: what a check costs
+    between compute steps is mostly the number of distinct operations it runs); only a request that
+    fails is checked again value by value, to name the problem."""
+    tensors = _request_tensors(ids, wire if needs_wire else None, grad if method == "backward" else None,
+                               needs_wire, method == "backward")
+    if tensors is not None and _in_range(tensors, vocab_size):
+        return None
     try:
         check_tensor("ids", ids, (None, None), ID_DTYPES)
-        if ids.numel() and not torch.equal(ids.clamp(0, vocab_size - 1), ids):  # 2 operations, no transfer
+        if ids.numel() and not torch.equal(ids.clamp(0, vocab_size - 1), ids):
             raise Invalid("shape", f"ids hold token ids outside [0, {vocab_size})")
         if needs_wire:
             check_tensor("wire", wire, (ids.shape[0], ids.shape[1] - 1, None))
@@ -117,41 +125,90 @@ def request_problem(method: str, ids, wire, grad, vocab_size: int, needs_wire: b
     return None
 
 
+def _request_tensors(ids, wire, grad, needs_wire: bool, needs_grad: bool) -> Optional[list]:
+    """[ids, wire and/or grad] when the request's structure is right (types, dtypes, ranks, sizes), else None."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ID_DTYPE_SET or ids.dim() != 2:
+        return None
+    n, length = ids.shape
+    tensors = [ids]
+    for t, needed in ((wire, needs_wire), (grad, needs_grad)):
+        if needed:
+            if (not isinstance(t, torch.Tensor) or t.dtype not in _WIRE_DTYPE_SET or t.dim() != 3
+                    or t.shape[0] != n or t.shape[1] != length - 1):
+                return None
+            tensors.append(t)
+    return tensors
+
+
+def _in_range(tensors: list, vocab_size: int) -> bool:
+    """Whether ids (the first tensor) lie in [0, vocab_size) and the float tensors hold finite values only:
+    the least and largest value of each (NaN propagates to both; an inf shows in one)."""
+    ids, *floats = tensors
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= vocab_size:
+            return False
+    for t in floats:
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+                return False
+    return True
+
+
 class NormTracker:
     """Recent per-sample RMS of one kind of value (a stage's outputs, or its input gradients) and the
-    bound it implies: `multiple` × their median, once `warmup` values were accepted (None before)."""
+    bound it implies: `multiple` × the **highest median** the window of accepted values has had since
+    `warmup` values were accepted (None before).
+
+    Why the high-water mark, not the current median: a stage's values shrink as the model learns, and
+    a bound that shrinks with them refuses honest values of the size the stage produced earlier. A
+    small corpus's second epoch did exactly that: the model had memorised most samples, the body's
+    input gradients fell to an RMS of 0.0017, and the first sample it had not memorised (0.194, the
+    size of first-epoch gradients) was refused as 113x the median — and the only body worker banned.
+    Raising the mark takes more than half of the window: a faulty replica among honest ones cannot,
+    and one banned within a few requests never gets near it."""
 
     def __init__(self, multiple: float, window: int = 64, warmup: int = 8):
         self.multiple, self.warmup = float(multiple), int(warmup)
         self.recent: deque[float] = deque(maxlen=max(1, int(window)))
-        self._bound: Optional[float] = None
-        self._stale = True
+        self._sorted: list[float] = []
+        self.peak: Optional[float] = None
+        """The highest median of the window so far (None before `warmup` values)."""
+
+    def median(self) -> Optional[float]:
+        values, n = self._sorted, len(self._sorted)
+        if not n:
+            return None
+        return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
 
     def bound(self) -> Optional[float]:
-        if self._stale:
-            enough = len(self.recent) >= self.warmup
-            self._bound = self.multiple * max(median(self.recent), RMS_FLOOR) if enough else None
-            self._stale = False
-        return self._bound
+        return None if self.peak is None else self.multiple * max(self.peak, RMS_FLOOR)
 
     def check(self, name: str, t: torch.Tensor) -> list[float]:
         """Raise :class:`Invalid` if `t` holds a non-finite value or a sample above the bound; else the
         per-sample RMS values (pass them to :meth:`observe` once the whole reply is accepted)."""
         values = rms_per_sample(t)
-        worst = max(values, default=0.0)
-        if not math.isfinite(worst) or any(v != v for v in values):  # NaN or inf inside, or an overflow
+        worst = values[0] if len(values) == 1 else max(values, default=0.0)
+        if not math.isfinite(worst) or (len(values) > 1 and any(v != v for v in values)):  # NaN/inf, overflow
             if not bool(torch.isfinite(t).all()):
                 raise _non_finite(name, t)
             raise Invalid("magnitude", f"{name} has values too large for an RMS in fp32")
-        bound = self.bound()
-        if bound is not None and worst > bound:
-            raise Invalid("magnitude", f"{name} has RMS {worst:.3g}, above {self.multiple:g} x the stage's recent "
-                                       f"median ({bound / self.multiple:.3g})")
+        if self.peak is not None and worst > self.multiple * max(self.peak, RMS_FLOOR):
+            raise Invalid("magnitude", f"{name} has RMS {worst:.3g}, above {self.multiple:g} x the stage's "
+                                       f"highest recent median ({max(self.peak, RMS_FLOOR):.3g})")
         return values
 
     def observe(self, values: Sequence[float]) -> None:
-        self.recent.extend(values)
-        self._stale = True
+        recent, ordered = self.recent, self._sorted
+        for v in values:
+            if len(recent) == recent.maxlen:
+                del ordered[bisect_left(ordered, recent[0])]
+            recent.append(v)
+            insort(ordered, v)
+        if len(recent) >= self.warmup:
+            m = self.median()
+            self.peak = m if self.peak is None else max(self.peak, m)
 
 
 def loss_bound(vocab_size: int, multiple: float) -> float:
@@ -211,10 +268,18 @@ class FaultBook:
     counts: dict = field(default_factory=dict)
     """{peer: {"stage": stage, reason: count, ...}}"""
 
-    def record(self, peer: str, stage: str, reason: str) -> float:
-        """Count one fault of `peer` (a worker of `stage`); returns the ban in seconds."""
+    def record(self, peer: str, stage: str, reason: str, others_serving: bool = True) -> float:
+        """Count one fault of `peer` (a worker of `stage`); returns the ban in seconds.
+
+        0 for a ``magnitude`` fault of the stage's last serving worker (`others_serving` False): a finite
+        value above a bound learned from the run is a suspicion, not proof — nothing to compare it with
+        when no other replica serves — and banning the only worker loses every later sample of the
+        run. The value is still refused (that one sample is lost); non-finite, malformed values and
+        impossible losses are proof and ban always."""
         entry = self.counts.setdefault(peer, {"stage": stage})
         entry[reason] = entry.get(reason, 0) + 1
+        if reason == "magnitude" and not others_serving:
+            return 0.0
         repeats = sum(v for k, v in entry.items() if k != "stage")
         return min(self.max_ban_s, self.fault_ban_s * 2 ** (repeats - 1))
 
@@ -250,17 +315,26 @@ class ReplyChecks:
         n, length = int(ids.shape[0]), int(ids.shape[1]) - 1
         accepted: list[tuple[NormTracker, list[float]]] = []
         if method == "forward":
-            check_tensor("output wire", out.get("wire"), (n, length, self.width), (self.dtype,), finite=False)
-            tracker = self.tracker(stage, "output")
-            accepted.append((tracker, tracker.check("output wire", out["wire"])))
-        if method == "forward_backward":
+            wire = out.get("wire")
+            if not self._promised(wire, (n, length, self.width)):
+                check_tensor("output wire", wire, (n, length, self.width), (self.dtype,), finite=False)
+            tracker = self.trackers.get((stage, "output")) or self.tracker(stage, "output")
+            accepted.append((tracker, tracker.check("output wire", wire)))
+        elif method == "forward_backward":
             check_losses(out.get("loss"), n, self.run.model.vocab_size, self.v.loss_multiple)
-        if method in ("backward", "forward_backward") and sent.get("wire") is not None:
-            check_tensor("input gradient", out.get("grad"), tuple(sent["wire"].shape), (self.dtype,), finite=False)
-            tracker = self.tracker(stage, "grad")
-            accepted.append((tracker, tracker.check("input gradient", out["grad"])))
+        if method != "forward" and sent.get("wire") is not None:
+            grad, shape = out.get("grad"), sent["wire"].shape
+            if not self._promised(grad, shape):
+                check_tensor("input gradient", grad, tuple(shape), (self.dtype,), finite=False)
+            tracker = self.trackers.get((stage, "grad")) or self.tracker(stage, "grad")
+            accepted.append((tracker, tracker.check("input gradient", grad)))
         step = meta.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= self.run.training.max_steps:
+        if type(step) is not int or not 0 <= step <= self.run.training.max_steps:
             raise Invalid("shape", f"reply names step {step!r}, outside [0, training.max_steps]")
         for tracker, values in accepted:
             tracker.observe(values)
+
+    def _promised(self, t, shape) -> bool:
+        """The fast path's structural check (a tensor of the wire dtype and `shape`); on False,
+        :func:`check_tensor` names the problem."""
+        return isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.shape == shape

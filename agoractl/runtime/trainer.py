@@ -19,10 +19,10 @@ sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable w
 logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
 Every reply is checked before it is used (:class:`~agoractl.algorithms.validation.ReplyChecks`, with
-``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**, the
-worker that produced it is banned for ``validation.fault_ban_s`` (doubling on repeats), told so (a
-``notice``), counted in ``faults`` per worker, and the request goes to another replica — the bad value never
-reaches the next stage.
+``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**, counted in
+``faults`` per worker, and the request goes to another replica; the worker is banned for ``fault_ban_s``
+(doubling on repeats) and told so (a ``notice``) — unless it is its stage's last serving worker and the
+fault a magnitude bound alone (:meth:`~agoractl.algorithms.validation.FaultBook.record` says why).
 """
 
 from __future__ import annotations
@@ -149,13 +149,16 @@ class Trainer:
         self.counters[stage].failures += 1
         if isinstance(error, Invalid):  # the worker produced a bad value: a fault of its own, not bad luck
             self.counters[stage].rejected += 1
-            ban_s = self.faults.record(peer, stage, error.reason)
-            self.balancers[stage].ban(peer, time.monotonic(), ban_s)
-            self.log.warning("reply rejected; worker banned", stage=stage, method=method, worker=peer[-8:],
-                             reason=error.reason, problem=str(error)[:200], ban_s=ban_s)
-            notice = asyncio.ensure_future(self._notice(stage, peer, f"{method}: {error}"))
-            self._notices.add(notice)
-            notice.add_done_callback(self._notices.discard)
+            now, balancer = time.monotonic(), self.balancers[stage]
+            ban_s = self.faults.record(peer, stage, error.reason, any(p != peer for p in balancer.available(now)))
+            self.log.warning("reply rejected; " + ("worker banned" if ban_s else "last serving worker kept"),
+                             stage=stage, method=method, worker=peer[-8:], reason=error.reason, ban_s=ban_s,
+                             problem=str(error)[:200])
+            if ban_s:
+                balancer.ban(peer, now, ban_s)
+                notice = asyncio.ensure_future(self._notice(stage, peer, f"{method}: {error}"))
+                self._notices.add(notice)
+                notice.add_done_callback(self._notices.discard)
             return
         self.balancers[stage].ban(peer, time.monotonic())
         self.log.warning("call failed; worker banned", stage=stage, method=method, worker=peer[-8:],
@@ -224,10 +227,7 @@ class Trainer:
 
         `samples`: one sample [seq_len+1] or a microbatch [m, seq_len+1] (trainers.microbatch)."""
         ids = samples.to(torch.int32).reshape(-1, samples.shape[-1])
-        n = ids.shape[0]
-        path: list[str] = []
-        inputs: list[Optional[torch.Tensor]] = []
-        wire: Optional[torch.Tensor] = None
+        n, path, inputs, wire = ids.shape[0], [], [], None  # forward peers, the wire each got, the wire now
         for stage in self.stages[:-1]:
             result = await self._dispatch(stage, "forward", {"ids": ids, **({"wire": wire} if wire is not None else {})})
             if result is None:

@@ -70,6 +70,27 @@ def test_magnitude_bound_applies_after_warmup_and_is_robust_to_one_outlier():
     tracker.check("wire", torch.randn(3, 8, 4) * 20)  # a stage's values drifting 20x: still accepted
 
 
+def test_a_bound_learned_early_survives_values_shrinking_as_the_model_memorises():
+    """The false positive of a small corpus's second epoch: the body's input gradients fell from first-epoch
+    sizes to an RMS of 0.0017 as the model memorised, and the first sample it had not memorised (0.194)
+    was refused as 113 x the median — the only body worker banned. The bound keeps the highest median."""
+    tracker = NormTracker(multiple=100, window=64, warmup=8)
+    for _ in range(16):  # first epoch: gradients of an unfitted model
+        tracker.observe(tracker.check("input gradient", torch.full((1, 8, 4), 0.05)))
+    for _ in range(200):  # second epoch: memorised, the window holds nothing but tiny gradients
+        tracker.observe(tracker.check("input gradient", torch.full((1, 8, 4), 0.00172)))
+    tracker.check("input gradient", torch.full((1, 8, 4), 0.194))  # an honest value of first-epoch size passes
+    assert reason(tracker.check, "input gradient", torch.full((1, 8, 4), 0.00172 * 1e6)) == "magnitude"
+
+
+def test_a_magnitude_fault_never_bans_a_stages_last_serving_worker():
+    book = FaultBook(fault_ban_s=600)
+    assert book.record("only", "body-1", "magnitude", others_serving=False) == 0  # refused, not banned
+    assert book.record("only", "body-1", "non_finite", others_serving=False) > 0  # proof bans always
+    assert book.record("one", "body-1", "magnitude", others_serving=True) == 600
+    assert book.counts["only"] == {"stage": "body-1", "magnitude": 1, "non_finite": 1}  # still counted
+
+
 def test_an_all_zero_history_does_not_reject_everything():
     tracker = NormTracker(multiple=10, window=8, warmup=2)
     tracker.observe([0.0, 0.0])
