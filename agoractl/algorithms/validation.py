@@ -48,9 +48,10 @@ RMS_FLOOR = 1e-12
 class Invalid(ValueError):
     """A received value failed a check: `reason` is one of :data:`REASONS`; the message names the value."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, attributable: bool = True):
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.attributable = reason, attributable
+        """False: the value may be bad because of what the node was sent, not what it did (no fault of its own)."""
 
 
 def rms_per_sample(t: torch.Tensor) -> list[float]:
@@ -177,10 +178,9 @@ class NormTracker:
         """The highest median of the window so far (None before `warmup` values)."""
 
     def median(self) -> Optional[float]:
-        values, n = self._sorted, len(self._sorted)
-        if not n:
-            return None
-        return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+        """The lower median of the window: a value accepted, never an average with an outlier (the mark keeps
+        whatever it takes)."""
+        return self._sorted[(len(self._sorted) - 1) // 2] if self._sorted else None
 
     def bound(self) -> Optional[float]:
         return None if self.peak is None else self.multiple * max(self.peak, RMS_FLOOR)
@@ -294,7 +294,13 @@ class ReplyChecks:
     stage's output bound; forward_backward: ``loss`` [n] finite in [0, loss bound], and ``grad``
     shaped like the wire sent, finite, within the stage's gradient bound; backward: ``grad`` likewise
     (none from the head); every reply's ``step`` an integer in [0, training.max_steps]. Trackers learn
-    only from replies accepted whole."""
+    only from replies accepted whole.
+
+    A value above its magnitude bound is the worker's fault only if what it was sent was within bounds:
+    a stage's output accepted before its bound applied (the first replies a trainer gets, from a replica
+    that is already absurd) makes the next stage's honest output absurd too. Such a rejection is raised
+    with ``attributable`` False — the sample is dropped, nobody banned — the culprit upstream is caught by
+    its own later replies."""
 
     def __init__(self, run: Run):
         v = run.validation
@@ -319,7 +325,7 @@ class ReplyChecks:
             if not self._promised(wire, (n, length, self.width)):
                 check_tensor("output wire", wire, (n, length, self.width), (self.dtype,), finite=False)
             tracker = self.trackers.get((stage, "output")) or self.tracker(stage, "output")
-            accepted.append((tracker, tracker.check("output wire", wire)))
+            accepted.append((tracker, self._magnitude(tracker, "output wire", wire, stage, sent)))
         elif method == "forward_backward":
             check_losses(out.get("loss"), n, self.run.model.vocab_size, self.v.loss_multiple)
         if method != "forward" and sent.get("wire") is not None:
@@ -327,7 +333,7 @@ class ReplyChecks:
             if not self._promised(grad, shape):
                 check_tensor("input gradient", grad, tuple(shape), (self.dtype,), finite=False)
             tracker = self.trackers.get((stage, "grad")) or self.tracker(stage, "grad")
-            accepted.append((tracker, tracker.check("input gradient", grad)))
+            accepted.append((tracker, self._magnitude(tracker, "input gradient", grad, stage, sent)))
         step = meta.get("step", 0)
         if type(step) is not int or not 0 <= step <= self.run.training.max_steps:
             raise Invalid("shape", f"reply names step {step!r}, outside [0, training.max_steps]")
@@ -338,3 +344,29 @@ class ReplyChecks:
         """The fast path's structural check (a tensor of the wire dtype and `shape`); on False,
         :func:`check_tensor` names the problem."""
         return isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.shape == shape
+
+    def _magnitude(self, tracker: NormTracker, name: str, t: torch.Tensor, stage: str, sent: dict) -> list[float]:
+        """:meth:`NormTracker.check`; a magnitude rejection is re-examined (only then: it costs an operation
+        per input) against the bounds of the stages that produced the request's inputs."""
+        try:
+            return tracker.check(name, t)
+        except Invalid as e:
+            if e.reason == "magnitude" and not self._inputs_vetted(stage, sent):
+                raise Invalid("magnitude", f"{e} (after an input accepted unbounded: not this worker's fault)",
+                              attributable=False) from None
+            raise
+
+    def _inputs_vetted(self, stage: str, sent: dict) -> bool:
+        """Whether the request's wire (the previous stage's output) and grad (the next stage's input gradient)
+        are within their producers' bounds now (False when a producer has no bound yet)."""
+        names = self.run.stage_names()
+        i = names.index(stage)
+        for key, producer in (("wire", (names[i - 1], "output") if i > 0 else None),
+                              ("grad", (names[i + 1], "grad") if i + 1 < len(names) else None)):
+            t = sent.get(key)
+            if t is None or producer is None:
+                continue
+            bound = self.tracker(*producer).bound()
+            if bound is None or max(rms_per_sample(t), default=0.0) > bound:
+                return False
+        return True

@@ -150,10 +150,10 @@ class Trainer:
         if isinstance(error, Invalid):  # the worker produced a bad value: a fault of its own, not bad luck
             self.counters[stage].rejected += 1
             now, balancer = time.monotonic(), self.balancers[stage]
-            ban_s = self.faults.record(peer, stage, error.reason, any(p != peer for p in balancer.available(now)))
-            self.log.warning("reply rejected; " + ("worker banned" if ban_s else "last serving worker kept"),
-                             stage=stage, method=method, worker=peer[-8:], reason=error.reason, ban_s=ban_s,
-                             problem=str(error)[:200])
+            ban_s = self.faults.record(peer, stage, error.reason, any(p != peer for p in balancer.available(now))) \
+                if error.attributable else 0.0  # not attributable: bad because of what it was sent
+            self.log.warning("reply rejected; " + ("worker banned" if ban_s else "nobody banned"), stage=stage,
+                             method=method, worker=peer[-8:], reason=error.reason, ban_s=ban_s, problem=str(error)[:200])
             if ban_s:
                 balancer.ban(peer, now, ban_s)
                 notice = asyncio.ensure_future(self._notice(stage, peer, f"{method}: {error}"))

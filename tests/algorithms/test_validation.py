@@ -159,6 +159,32 @@ def test_reply_checks_follow_what_each_stage_promises():
                   {"step": run.training.max_steps + 1}) == "shape"
 
 
+def test_an_absurd_output_caused_by_an_input_accepted_unbounded_is_nobodys_fault():
+    """A trainer's first head replies come from a replica already absurd (x1e6): accepted, no bound yet; the
+    honest body's output is then absurd too — rejected, but not attributable (nobody is banned for it)."""
+    run = Run()
+    checks = ReplyChecks(run)
+    ids, wire = _replies(run)
+    for _ in range(run.validation.warmup):  # the body's bound exists; the head's does not
+        checks.check("body-1", "forward", {"ids": ids, "wire": wire}, {"wire": wire}, {"step": 0})
+    checks.check("head", "forward", {"ids": ids}, {"wire": wire * 1e6}, {"step": 0})  # accepted unbounded
+    with pytest.raises(Invalid) as e:
+        checks.check("body-1", "forward", {"ids": ids, "wire": wire * 1e6}, {"wire": wire * 1e6}, {"step": 0})
+    assert e.value.reason == "magnitude" and not e.value.attributable
+    for _ in range(run.validation.warmup):  # now the head has a bound, and the input is within it
+        checks.check("head", "forward", {"ids": ids}, {"wire": wire}, {"step": 0})
+    with pytest.raises(Invalid) as e:
+        checks.check("body-1", "forward", {"ids": ids, "wire": wire}, {"wire": wire * 1e6}, {"step": 0})
+    assert e.value.attributable  # the body made it absurd itself
+    for _ in range(run.validation.warmup):  # bounds for the tail's and the body's input gradients
+        checks.check("tail", "forward_backward", {"ids": ids, "wire": wire},
+                     {"loss": torch.tensor([5.5, 6.0]), "grad": wire}, {"step": 0})
+        checks.check("body-1", "backward", {"ids": ids, "wire": wire, "grad": wire}, {"grad": wire}, {"step": 0})
+    with pytest.raises(Invalid) as e:  # an input gradient from the tail beyond the tail's bound: not the body's
+        checks.check("body-1", "backward", {"ids": ids, "wire": wire, "grad": wire * 1e9}, {"grad": wire * 1e6}, {})
+    assert not e.value.attributable
+
+
 def test_refused_outputs_needs_notices_from_several_trainers_within_the_window():
     rules = SelfTermination(SelfTerminationConfig(refused_outputs=3, refused_window_s=100, refused_min_trainers=2))
     for t in range(5):  # one trainer alone, however many notices, cannot make a worker leave
