@@ -10,10 +10,16 @@ the faulty ones, 2 without), so both train on the same samples from the first st
 runs ``--repeats`` times, alternating (baseline, faulty, baseline, ...), on its own copy of the same shards.
 
 The final loss of a run is the mean of its last ``--tail`` steps (the report's per-step loss, merged over
-trainers): one step of 4 samples is noisy. ``ratio`` is faulty / baseline, per pair, and its median.
+trainers): one step of 4 samples is noisy. ``ratio`` is faulty / baseline, per pair, and its median. Pairs
+alternate which arm runs first (a machine whose load drifts favours neither). Both arms start from the same
+model seed and the same shards in the same order; two trainers claiming shards still make each run's
+sample order its own, so the benchmark also measures its own noise: ``--control`` runs as many pairs of
+the baseline against itself (an A/A comparison), and ``resolves_target`` says whether those control ratios
+all stayed within the 3% bound — when they did not, a faulty ratio outside it proves nothing.
 
     python benchmarks/faulty_nodes_loss.py --out faulty_nodes_loss.json
     python benchmarks/faulty_nodes_loss.py --repeats 2 --steps 160 --json
+    python benchmarks/faulty_nodes_loss.py --repeats 3 --control 3 --out faulty_nodes_loss.json
 """
 
 from __future__ import annotations
@@ -121,11 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is a run's final loss")
     p.add_argument("--rows", type=int, default=2000, help="documents in the generated sample corpus")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--control", type=int, default=0, help="pairs of baseline against baseline (the noise floor)")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--out", type=Path, help="write the JSON to this file too")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.repeats < 1 or not 1 <= a.tail <= a.steps:
-        print("error: --steps and --repeats must be at least 1, --tail within [1, --steps]", file=sys.stderr)
+    if a.steps < 1 or a.repeats < 1 or a.control < 0 or not 1 <= a.tail <= a.steps:
+        print("error: --steps and --repeats must be at least 1, --control at least 0, --tail within [1, --steps]",
+              file=sys.stderr)
         return 2
     load_before = list(os.getloadavg())
     pairs = []
@@ -136,31 +144,38 @@ def main(argv=None) -> int:
                                 "--json"), check=True, capture_output=True, cwd=ROOT)
         subprocess.run(agoractl("shard", str(MANIFEST), *sets([*data, f"data.output={tmp / 'shards'}"]), "--json"),
                        check=True, capture_output=True, cwd=ROOT)
-        for i in range(a.repeats):
-            runs = {}
-            for faulty in (False, True):
-                work = tmp / f"{i}-{'faulty' if faulty else 'baseline'}"
+        controls = []
+        for i in range(a.repeats + a.control):
+            control = i >= a.repeats
+            runs: dict = {"control": control}  # a control pair's "faulty" arm is a second baseline
+            for second in ((False, True) if i % 2 == 0 else (True, False)):  # arm order alternates
+                faulty = second and not control
+                arm = "faulty" if second else "baseline"
+                work = tmp / f"{i}-{arm}"
                 work.mkdir()
                 try:
                     r = run_once(work, data, a.steps, faulty, a.timeout)
                 except SystemExit as e:  # a run that failed is recorded, and its pair left out of the ratio
                     r = {"faulty": faulty, "error": str(e), "loss": []}
                 r["final_loss"] = final_loss(r["loss"], a.tail)
-                runs["faulty" if faulty else "baseline"] = r
-                print(f"run {i} {'faulty' if faulty else 'baseline'}: {r.get('steps')} steps, final loss "
+                runs[arm] = r
+                print(f"run {i} {'control' if control and second else arm}: {r.get('steps')} steps, final loss "
                       f"{r['final_loss']:.4f}, {r.get('wall_s')} s {r.get('error', '')}", file=sys.stderr)
             runs["ratio"] = runs["faulty"]["final_loss"] / runs["baseline"]["final_loss"]
-            pairs.append(runs)
+            (controls if control else pairs).append(runs)
     done = [r for r in pairs if "error" not in r["baseline"] and "error" not in r["faulty"]]
     ratio = statistics.median(r["ratio"] for r in done) if done else float("nan")
+    control_ratios = [r["ratio"] for r in controls if "error" not in r["baseline"] and "error" not in r["faulty"]]
     result = {"manifest": str(MANIFEST), "settings": SWARM, "steps": a.steps, "tail": a.tail, "repeats": a.repeats,
               "baseline_final_loss": [r["baseline"]["final_loss"] for r in pairs],
               "faulty_final_loss": [r["faulty"]["final_loss"] for r in pairs],
               "ratios": [r["ratio"] for r in pairs], "ratio": ratio, "pairs_done": len(done), "target": TARGET,
-              "within_target": abs(ratio - 1.0) <= TARGET, "load_avg_before": load_before,
+              "within_target": abs(ratio - 1.0) <= TARGET, "control_ratios": control_ratios,
+              "resolves_target": bool(control_ratios) and all(abs(c - 1.0) <= TARGET for c in control_ratios),
+              "load_avg_before": load_before,
               "load_avg_after": list(os.getloadavg()), "cpus": os.cpu_count(),
               "runs": [{k: {kk: vv for kk, vv in v.items() if kk != "loss"} if isinstance(v, dict) else v
-                        for k, v in r.items()} for r in pairs]}
+                        for k, v in r.items()} for r in pairs + controls]}
     if a.out is not None:
         tmp_out = a.out.with_name(a.out.name + ".tmp")
         tmp_out.write_text(json.dumps(result, indent=2))
@@ -172,6 +187,9 @@ def main(argv=None) -> int:
               f"{', '.join(f'{v:.4f}' for v in result['baseline_final_loss'])}; with faulty workers "
               f"{', '.join(f'{v:.4f}' for v in result['faulty_final_loss'])}; ratio {ratio:.4f} "
               f"(target within {TARGET:.0%}: {'met' if result['within_target'] else 'NOT met'})")
+        if control_ratios:
+            print(f"control (baseline / baseline) ratios {', '.join(f'{c:.4f}' for c in control_ratios)}: the "
+                  f"measurement {'resolves' if result['resolves_target'] else 'does NOT resolve'} {TARGET:.0%}")
     return 0
 
 
