@@ -9,9 +9,9 @@ Pure rules, no networking and no clock of their own; the runtime wires them in:
   so the ``nan_gradients`` rule fires only for values the worker produced itself from valid inputs;
 - a **trainer** checks every stage output, input gradient and loss it gets back
   (:func:`check_tensor`, :class:`NormTracker`, :func:`check_losses`): finite, the shape and dtype the
-  stage promises, and a magnitude within ``validation.norm_multiple`` times the median of the
-  stage's recent per-sample RMS (after ``validation.warmup`` accepted samples; a median is robust to
-  the odd bad value it may have let in before); losses finite, non-negative and at most
+  stage promises, and a magnitude within ``validation.norm_multiple`` times the highest median the
+  stage's recent per-sample RMS has had (after ``validation.warmup`` accepted samples; a median is
+  robust to the odd bad value it may have let in before); losses finite, non-negative and at most
   ``validation.loss_multiple`` × ln(vocab_size) — the loss of a uniform guess is ln(vocab_size),
   so a freshly initialised model's large losses pass;
 - an **averaging** participant checks every part it receives (:func:`part_problem` at a reducer,

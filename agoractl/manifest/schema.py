@@ -286,7 +286,8 @@ class Validation(Section):
     enabled: bool = True
     """Check stage outputs, gradients and losses at trainers, requests at workers, parts in averaging."""
     norm_multiple: float = Field(100.0, gt=1)
-    """Reject a stage output or gradient whose per-sample RMS exceeds this many times the stage's recent median."""
+    """Reject a stage output or gradient whose per-sample RMS exceeds this many times the highest median of the
+    stage's recent values (the bound does not shrink as the model learns)."""
     norm_window: int = Field(64, gt=0)
     """Recent accepted samples (per stage and kind) the median is taken over."""
     warmup: int = Field(8, ge=1)
