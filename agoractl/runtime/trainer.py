@@ -148,7 +148,7 @@ class Trainer:
     def _fail(self, stage: str, peer: str, method: str, error: BaseException) -> None:
         self.counters[stage].failures += 1
         if isinstance(error, Invalid):  # the worker produced a bad value: a fault of its own, not bad luck
-            self.counters[stage].rejected += 1
+            self.counters[stage].rejected += error.attributable  # as many as its faults (the run report)
             now, balancer = time.monotonic(), self.balancers[stage]
             ban_s = self.faults.record(peer, stage, error.reason, any(p != peer for p in balancer.available(now))) \
                 if error.attributable else 0.0  # not attributable: bad because of what it was sent
