@@ -116,7 +116,8 @@ class TrainerStageStats:
     failures: int = 0
     """Failed calls (errors and timeouts)."""
     rejected: int = 0
-    """Replies rejected as invalid (non-finite, malformed or absurd values); their workers are banned longer."""
+    """Replies rejected as invalid (non-finite, malformed or absurd values) and counted as their workers' faults;
+    not those rejected only because their input was (nobody's fault)."""
     bans: int = 0
     """Replicas the stage's balancer banned."""
     workers_seen: list = field(default_factory=list)
