@@ -15,7 +15,7 @@ test) joining it with a ``monitor`` credential. While it trains, the test attack
 
 Then the Authorizer is killed (SIGKILL) and started again on the same database: the nodes train on meanwhile,
 no node, queue entry or ban is lost, and every admitted node renews through the new process (the credentials
-live 40 s: a node renews every 20 s or so). The run has no step limit: it is stopped with Ctrl-C once it has
+live 60 s: a node renews every 30 s or so). The run has no step limit: it is stopped with Ctrl-C once it has
 trained 10 steps past the renewals, so how fast the machine trains does not matter."""
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ INTERVAL_S, STALL_S = 1.0, 6.0
 MONITOR = [f"monitoring.interval_s={INTERVAL_S:g}", f"monitoring.stall_after_s={STALL_S:g}"]
 ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
              "admission.min_bandwidth_mbps=0", "admission.max_latency_ms=10000", "admission.joins_per_minute=6000",
-             "admission.credential_ttl_s=40"]
-TTL = 40.0
+             "admission.credential_ttl_s=60"]
+TTL = 60.0
 """Nodes renew at half-life, so every node renews within TTL/2 of the restart; an outage longer than about
 3/8 TTL lets the unluckiest nodes' credentials expire (docs/admission.md), hence the Authorizer's restart
-must take less (seconds on an idle machine)."""
+must take less (seconds on an idle machine; 13.6 s was measured at load 13-20 with this swarm)."""
 
 
 @pytest.fixture
@@ -215,34 +215,7 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
                                              stage=stage, peer_id=peer or ours, ttl_s=ttl, serial=1, **kw)
 
     httpx.post(url + "/v1/bans", headers=admin(), json={"subject": "evil"}).raise_for_status()
-    time.sleep(TTL / 8 + 3)  # the nodes refresh the published ban list every ttl/8
-    tokens = {"missing": None,
-              "forged": lambda ours: credential.tampered(mint()(ours), role="trainer", expires_at=9e12),
-              "other_authority": mint(k=keys.generate()),
-              "wrong_peer": mint(peer=trainer),
-              "expired": mint(ttl=-1),
-              "banned": mint(node_id="evil")}
-    errors = asyncio.run(attack(s["maddrs"], "local-cpu", head, tokens))
-    for reason, errs in errors.items():
-        assert len(errs) == ATTEMPTS and all(f"credential refused: {reason}" in e for e in errs), (reason, errs)
-
-    # The averaging RPCs of a head worker, dialled directly: credentials a head worker would need, each spoiled.
-    worker = dict(role="worker", stage="head")
-    averaging_tokens = {"missing": None,
-                        "forged": lambda ours: credential.tampered(mint(**worker)(ours), expires_at=9e12),
-                        "other_authority": mint(k=keys.generate(), **worker),
-                        "wrong_peer": mint(peer=other_head, **worker),
-                        "expired": mint(ttl=-1, **worker),
-                        "banned": mint(node_id="evil", **worker),
-                        "wrong_stage": mint(role="worker", stage="tail")}
-    avg_errors = asyncio.run(averaging_attack(head, s["maddrs"], averaging_tokens,
-                                              prefix=averager_prefix("local-cpu", "head", "sparta"),
-                                              attempts=ATTEMPTS))
-    for reason in averaging_tokens:
-        for rpc in RPCS:
-            errs = avg_errors[f"{reason}:{rpc}"]
-            assert len(errs) == ATTEMPTS and all(f"credential refused: {reason}" in e for e in errs), (reason, rpc,
-                                                                                                       errs)
+    banned_at = time.monotonic()  # the nodes refresh the published ban list every ttl/8; the monitor's checks first
 
     # The Health Monitor, from real records: a wrong-stage announcer, then an unadmitted one, then a stall.
     _wait(lambda: _rows(db, "SELECT completed FROM health_trainer_sessions WHERE completed > 0"), 120,
@@ -274,6 +247,35 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
           f"stalled_after_stop_s={stalled_after:.2f} (interval {INTERVAL_S:g}, stall_after {STALL_S:g})")
     assert wrong_stage_after <= 2 * INTERVAL_S + 2.0 and unadmitted_after <= 2 * INTERVAL_S + 2.0
     assert stalled_after <= STALL_S + 2 * INTERVAL_S + 2.0, stalled_after
+
+    time.sleep(max(0.0, banned_at + TTL / 8 + 3 - time.monotonic()))
+    tokens = {"missing": None,
+              "forged": lambda ours: credential.tampered(mint()(ours), role="trainer", expires_at=9e12),
+              "other_authority": mint(k=keys.generate()),
+              "wrong_peer": mint(peer=trainer),
+              "expired": mint(ttl=-1),
+              "banned": mint(node_id="evil")}
+    errors = asyncio.run(attack(s["maddrs"], "local-cpu", head, tokens))
+    for reason, errs in errors.items():
+        assert len(errs) == ATTEMPTS and all(f"credential refused: {reason}" in e for e in errs), (reason, errs)
+
+    # The averaging RPCs of a head worker, dialled directly: credentials a head worker would need, each spoiled.
+    worker = dict(role="worker", stage="head")
+    averaging_tokens = {"missing": None,
+                        "forged": lambda ours: credential.tampered(mint(**worker)(ours), expires_at=9e12),
+                        "other_authority": mint(k=keys.generate(), **worker),
+                        "wrong_peer": mint(peer=other_head, **worker),
+                        "expired": mint(ttl=-1, **worker),
+                        "banned": mint(node_id="evil", **worker),
+                        "wrong_stage": mint(role="worker", stage="tail")}
+    avg_errors = asyncio.run(averaging_attack(head, s["maddrs"], averaging_tokens,
+                                              prefix=averager_prefix("local-cpu", "head", "sparta"),
+                                              attempts=ATTEMPTS))
+    for reason in averaging_tokens:
+        for rpc in RPCS:
+            errs = avg_errors[f"{reason}:{rpc}"]
+            assert len(errs) == ATTEMPTS and all(f"credential refused: {reason}" in e for e in errs), (reason, rpc,
+                                                                                                       errs)
 
     # SIGKILL of the Authorizer mid-run, with a node waiting in its queue; started again on the same state.
     queued = httpx.post(url + "/v1/join", json={"node_id": "waiting", "role": "worker", "peer_id": "1" * 46,
