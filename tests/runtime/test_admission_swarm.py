@@ -319,8 +319,11 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
     assert p.returncode == 130, err_tail(run_dir)
     report = json.loads((run_dir / "swarm-report.json").read_text())
     assert report["steps"] >= step_renewed + 10, report["steps"]
-    for stage in report["stages"]:  # the honest SPARTA rounds went on through the attacks and the outage
-        assert stage["averaging_rounds"] >= 3 and stage["rounds_failed"] == 0, stage
+    # The honest SPARTA rounds went on through the attacks and the outage. A round can still fail on a loaded
+    # machine (matchmaking or all-reduce timeouts: 2 of 11 in one stage at load 21); that the gate refused no
+    # honest peer is checked below, on every worker's counts.
+    for stage in report["stages"]:
+        assert stage["averaging_rounds"] >= 3 and stage["averaging_success_mean"] >= 0.8, stage
     print("MEASURED steps", report["steps"], "averaging", {st["name"]: (st["averaging_rounds"], st["rounds_failed"],
                                                                        st["averaging_success_mean"])
                                                          for st in report["stages"]})
@@ -333,10 +336,10 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
         assert refused.get(f"stage_rpc:{reason}", 0) >= ATTEMPTS, refused
     surfaces = {"credential": "averaging_credential", "join": "averaging_join", "part": "averaging_part",
                 "state": "averaging_state"}
-    for reason in averaging_tokens:
-        for rpc in RPCS:
-            assert refused.get(f"{surfaces[rpc]}:{reason}", 0) >= ATTEMPTS, refused
-    assert not any(k.startswith("averaging_callee") for w in workers for k in w["admission"]["refused"]), workers
+    expected = {f"{surfaces[rpc]}:{reason}": ATTEMPTS for reason in averaging_tokens for rpc in RPCS}
+    for w in workers:  # exactly the rogue's attempts, on the head worker it dialled: no honest peer was refused
+        got = {k: n for k, n in w["admission"]["refused"].items() if k.startswith("averaging_")}
+        assert got == (expected if w["peer"] == head else {}), (w["peer"], got)
     assert all(w["admission"]["renewals"] >= 1 for w in workers), workers
     trainer_stats = json.loads((run_dir / "swarm" / "nodes" / "trainer-0.json").read_text())
     seen = trainer_stats["stages"]["tail"]["workers_seen"]
