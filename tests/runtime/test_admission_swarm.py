@@ -6,12 +6,13 @@ test) joining it with a ``monitor`` credential. While it trains, the test attack
 - over libp2p, stage requests to the head and averaging RPCs (handshake, join, part, state download) to a head
   worker's averager, with no credential, a tampered one, one signed by another authority, another peer's, an
   expired one, a banned node's (and, for averaging, another stage's): each refused, every time, with its own
-  reason, and counted by the worker; the honest SPARTA rounds complete meanwhile;
+  reason, and counted by the worker dialled; the honest SPARTA rounds go on meanwhile, and no worker's gate
+  refuses an honest peer (each worker's averaging refusals are exactly the rogue's attempts);
 - an unadmitted worker's DHT records are dropped, so no trainer ever sends it a sample;
 - real records reach the Health Monitor: a node the Authorizer admitted to one stage announces another
   (``wrong_stage_announcer``), then leaves the run and keeps announcing (``unadmitted_announcer``); the
-  trainer is stopped (SIGSTOP) until ``progress_stalled`` is raised, and resumed. Each alert within one
-  interval of its condition (the stall: ``stall_after_s`` plus two intervals).
+  trainer is stopped (SIGSTOP) until ``progress_stalled`` is raised, and resumed. Each alert within two
+  intervals (+2 s for a loaded machine) of its condition (the stall: ``stall_after_s`` plus that).
 
 Then the Authorizer is killed (SIGKILL) and started again on the same database: the nodes train on meanwhile,
 no node, queue entry or ban is lost, and every admitted node renews through the new process (the credentials
