@@ -8,7 +8,8 @@ test) joining it with a ``monitor`` credential. While it trains, the test attack
   expired one, a banned node's (and, for averaging, another stage's): each refused, every time, with its own
   reason, and counted by the worker dialled; the honest SPARTA rounds go on meanwhile, and no worker's gate
   refuses an honest peer (each worker's averaging refusals are exactly the rogue's attempts);
-- an unadmitted worker's DHT records are dropped, so no trainer ever sends it a sample;
+- an unadmitted worker's DHT records are dropped, so no trainer ever sends it a sample; so are records stored
+  (from a DHT node in the test process) with each spoiled credential, and counted where they were dropped;
 - real records reach the Health Monitor: a node the Authorizer admitted to one stage announces another
   (``wrong_stage_announcer``), then leaves the run and keeps announcing (``unadmitted_announcer``); the
   trainer is stopped (SIGSTOP) until ``progress_stalled`` is raised, and resumed. Each alert within two
@@ -178,7 +179,8 @@ def misannouncing_node(values, maddrs, url: str) -> tuple:
     return dht, records, peer, given, announced, out["credential"]
 
 
-def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sample_shards, durable, tmp_path):
+def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sample_shards, durable, tmp_path,
+                                                                       request):
     key_path, _, key = keys.write_pair(tmp_path / "authority.key")
     env = {**durable, "AGORA_AUTHORITY_KEY": str(key_path)}
     run_dir, port = tmp_path / "run", free_port()
@@ -221,19 +223,18 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
     # The Health Monitor, from real records: a wrong-stage announcer, then an unadmitted one, then a stall.
     _wait(lambda: _rows(db, "SELECT completed FROM health_trainer_sessions WHERE completed > 0"), 120,
           "the monitor counting progress", p)
-    rogue_dht, records, rogue, given, announced, rogue_token = misannouncing_node(values, s["maddrs"], url)
-    try:
-        t0 = time.time()
-        _wait(lambda: _alert(db, "wrong_stage_announcer", rogue, t0), 30, "wrong_stage_announcer", p)
-        wrong_stage_after = time.time() - t0
-        t0 = time.time()
-        httpx.post(url + "/v1/leave", json={"credential": rogue_token, "peer_id": rogue}).raise_for_status()
-        _wait(lambda: _alert(db, "unadmitted_announcer", rogue, t0), 30, "unadmitted_announcer", p)
-        unadmitted_after = time.time() - t0
-    finally:
-        from agoractl.runtime import node
+    from agoractl.runtime import node, peer_auth
+    from agoractl.runtime.records import WorkerRecord
 
-        node.shutdown_dht(rogue_dht)
+    rogue_dht, records, rogue, given, announced, rogue_token = misannouncing_node(values, s["maddrs"], url)
+    request.addfinalizer(lambda: node.shutdown_dht(rogue_dht))
+    t0 = time.time()
+    _wait(lambda: _alert(db, "wrong_stage_announcer", rogue, t0), 30, "wrong_stage_announcer", p)
+    wrong_stage_after = time.time() - t0
+    t0 = time.time()
+    httpx.post(url + "/v1/leave", json={"credential": rogue_token, "peer_id": rogue}).raise_for_status()
+    _wait(lambda: _alert(db, "unadmitted_announcer", rogue, t0), 30, "unadmitted_announcer", p)
+    unadmitted_after = time.time() - t0
     trainer_pid = next(n["pid"] for n in s["nodes"] if n["name"] == "trainer-0")
     _wait(lambda: not _rows(db, "SELECT id FROM health_alerts WHERE kind = 'progress_stalled' AND resolved_at IS NULL"),
           60, "no stall alert before the trainer stops", p)
@@ -277,6 +278,18 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
             errs = avg_errors[f"{reason}:{rpc}"]
             assert len(errs) == ATTEMPTS and all(f"credential refused: {reason}" in e for e in errs), (reason, rpc,
                                                                                                        errs)
+
+    # DHT records from the same node with each spoiled credential in its validator: every node it reaches drops them.
+    dht_tokens = {"missing": None, "forged": credential.tampered(rogue_token, expires_at=9e12),
+                  "other_authority": mint(k=keys.generate(), **worker)(rogue),
+                  "wrong_peer": mint(peer=other_head, **worker)(rogue), "expired": mint(ttl=-1, **worker)(rogue),
+                  "banned": mint(node_id="evil", **worker)(rogue)}
+    for reason, token in dht_tokens.items():
+        peer_auth.push(rogue_dht, token, frozenset())
+        for _ in range(ATTEMPTS):
+            assert not records.announce_worker(WorkerRecord(peer=rogue, stage=given, phase="weight_sync"), 30.0), \
+                reason
+    node.shutdown_dht(rogue_dht)
 
     # SIGKILL of the Authorizer mid-run, with a node waiting in its queue; started again on the same state.
     queued = httpx.post(url + "/v1/join", json={"node_id": "waiting", "role": "worker", "peer_id": "1" * 46,
@@ -347,4 +360,6 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
     assert len(seen) == 2 and not any(seen_peer.endswith(t) for seen_peer in seen for t in intruder_tail), \
         (seen, intruder_tail)
     assert rogue not in trainer_stats["stages"][announced]["workers_seen"]
-    assert any(k.startswith("dht:") for w in workers for k in w["admission"]["refused"]), err_tail(run_dir)
+    dht_refused = {k for f in (run_dir / "swarm" / "nodes").glob("*.json")
+                   for k in (json.loads(f.read_text()).get("admission") or {}).get("refused", {}) if k.startswith("dht:")}
+    assert {f"dht:{reason}" for reason in dht_tokens} <= dht_refused, dht_refused  # counted where dropped
