@@ -333,11 +333,11 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
     assert p.returncode == 130, err_tail(run_dir)
     report = json.loads((run_dir / "swarm-report.json").read_text())
     assert report["steps"] >= step_renewed + 10, report["steps"]
-    # The honest SPARTA rounds went on through the attacks and the outage. A round can still fail on a loaded
-    # machine (matchmaking or all-reduce timeouts: 2 of 11 in one stage at load 21); that the gate refused no
+    # The honest SPARTA rounds went on through the attacks and the outage: every round complete but the one
+    # Ctrl-C cancels (its record fails on each of the stage's 2 workers, as measured); that no gate refused an
     # honest peer is checked below, on every worker's counts.
     for stage in report["stages"]:
-        assert stage["averaging_rounds"] >= 3 and stage["averaging_success_mean"] >= 0.8, stage
+        assert stage["averaging_rounds"] >= 3 and stage["rounds_failed"] <= 2, stage
     print("MEASURED steps", report["steps"], "averaging", {st["name"]: (st["averaging_rounds"], st["rounds_failed"],
                                                                        st["averaging_success_mean"])
                                                          for st in report["stages"]})
