@@ -50,7 +50,10 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 ATTEMPTS = 3
 SPARTA = ["stages=[{role: head, layers: 2}, {role: tail, layers: 2}]", "local.workers_per_stage=2",
           "data_parallel.method=sparta", "data_parallel.sparta.every_steps=5",
-          "data_parallel.sparta.matchmaking_timeout_s=10", "training.max_steps=100000"]
+          "data_parallel.sparta.matchmaking_timeout_s=10", "training.max_steps=100000",
+          # The magnitude check's false positive (issue 25: bounds from a node's own short history) banned both
+          # tail workers for 600 s in one run here; validation is not what this swarm tests.
+          "validation.enabled=false"]
 INTERVAL_S, STALL_S = 1.0, 6.0
 MONITOR = [f"monitoring.interval_s={INTERVAL_S:g}", f"monitoring.stall_after_s={STALL_S:g}"]
 ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
