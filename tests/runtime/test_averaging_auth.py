@@ -1,10 +1,10 @@
 """Credential checks on the averaging RPCs (agoractl.runtime.averaging_auth) between real processes.
 
-Two admitted peers (tests/runtime/sparta_peer.py with ``--authority-key``: an operator and a contributor, each
-its own DHT node with the credential validator and an AdmittedAverager, credentials of 12 s renewed every 4 s)
-average round after round, while a rogue libp2p peer in the test process dials the operator directly and tries,
-ATTEMPTS times per credential, the handshake, joining its group, sending it a part and downloading its state:
-with no credential, a tampered one, one signed by another authority, another peer's, an expired one, a banned
+Three admitted peers (tests/runtime/sparta_peer.py with ``--authority-key``: two operators and a contributor,
+each its own DHT node with the credential validator and an AdmittedAverager, credentials of 12 s renewed every
+4 s) average round after round, while a rogue libp2p peer in the test process dials an operator directly and
+tries, ATTEMPTS times per credential, the handshake, joining its group, sending it a part and downloading its
+state: with no credential, a tampered one, one signed by another authority, another peer's, an expired one, a banned
 node's and another stage's. Every attempt is refused with its reason, the operator counts each, and every honest
 round completes with the right average (across several renewals). The same attacks, three times each, against
 a worker of a live training swarm with SPARTA on: tests/runtime/test_admission_swarm.py.
@@ -90,10 +90,10 @@ def test_averaging_rpcs_refuse_every_forgery_while_honest_rounds_complete(author
     swarm = None
     try:
         seed.add_validators([CredentialValidator("test", keys.public_text(key), ["stage"])])
-        swarm = Swarm([str(a) for a in seed.get_visible_maddrs()], ["operator", "contributor"],
+        swarm = Swarm([str(a) for a in seed.get_visible_maddrs()], ["operator", "operator", "contributor"],
                       ("--authority-key", str(key_path), "--ttl", "12", "--ban", "evil"))
         leader, *leader_maddrs = swarm.ready[0]
-        honest = swarm.ready[1][0]
+        honest = swarm.ready[2][0]
 
         def mint(ttl=300.0, k=key, node_id="rogue", peer=None, stage="stage"):
             return lambda ours: credential.issue(k, run="test", node_id=node_id, account="x", role="worker",
@@ -112,12 +112,12 @@ def test_averaging_rpcs_refuse_every_forgery_while_honest_rounds_complete(author
         rounds, started = [], time.monotonic()
         # Rounds go on for longer than a credential lives: they need the renewed ones (every 4 s) too.
         while attacker.is_alive() or time.monotonic() - started < 13:
-            rounds.append(swarm.round(["1 1 2", "1 5 2"]))
+            rounds.append(swarm.round(["1 1 3", "1 2 3", "1 6 3"]))
             assert time.monotonic() - started < 300, "the attack never finished"
         attacker.join()
         for recs in rounds:
             for r in recs:
-                assert r["status"] == "complete" and r["group_size"] == 2, recs
+                assert r["status"] == "complete" and r["group_size"] == 3, recs
                 assert r["first"] == pytest.approx(3.0) and r["averaging_success"] == 1.0, recs
 
         for name in tokens:
