@@ -7,7 +7,7 @@ With monitoring on, `launch swarm` also starts the Health Monitor (a DHT client 
 ``manifests/local-cpu.yaml`` (plus any ``--set``) on the same sample corpus, generated and sharded into a
 temporary directory first; every artefact (checkpoints, run directories, databases) stays in it. Each side runs
 ``--repeats`` times, alternating (off, on, off, ...); ``ratio`` is the median of the paired ratios on/off, and
-``cost`` = 1 - ratio.
+``cost`` = 1 - ratio. The JSON also holds the machine's load average before and after (``os.getloadavg``).
 
     python benchmarks/monitoring_cost.py                          # a table
     python benchmarks/monitoring_cost.py --json --out cost.json   # JSON on stdout and in a file
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -48,6 +49,7 @@ def main() -> None:
         on = ["monitoring.enabled=true", f"monitoring.interval_s={args.interval:g}",
               f"monitoring.scrape_interval_s={args.interval:g}"]
         runs: dict[str, list[float]] = {"off": [], "on": []}
+        load_before = os.getloadavg()
         for i in range(args.repeats):
             for side in ("off", "on"):
                 where = tmp / f"{side}-{i}"
@@ -60,7 +62,8 @@ def main() -> None:
     ratio = statistics.median(ratios)
     out = {"benchmark": "monitoring_cost", "steps": args.steps, "repeats": args.repeats, "interval_s": args.interval,
            "off_tokens_per_s": statistics.median(runs["off"]), "on_tokens_per_s": statistics.median(runs["on"]),
-           "ratio": ratio, "cost": 1 - ratio, "ratios": ratios, "runs": runs, "target_cost": 0.03}
+           "ratio": ratio, "cost": 1 - ratio, "ratios": ratios, "runs": runs, "target_cost": 0.03,
+           "load_before": load_before, "load_after": os.getloadavg()}
     if args.out:
         args.out.write_text(json.dumps(out, indent=2) + "\n")
     if args.json:

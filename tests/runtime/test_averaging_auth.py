@@ -1,12 +1,13 @@
 """Credential checks on the averaging RPCs (agoractl.runtime.averaging_auth) between real processes.
 
 Three admitted peers (tests/runtime/sparta_peer.py with ``--authority-key``: two operators and a contributor,
-each its own DHT node with the credential validator and an AdmittedAverager, credentials of 12 s renewed
-every 4 s) average round after round, while a rogue libp2p peer in the test process dials an operator directly
-and tries, ATTEMPTS times per credential, the handshake, joining its group, sending it a part and downloading
-its state: with no credential, a tampered one, one signed by another authority, another peer's, an expired one
-and a banned node's. Every attempt is refused with its reason, the operator counts each, and every honest round
-completes with the right average (across several renewals). Two to five minutes on a loaded 2-core machine.
+each its own DHT node with the credential validator and an AdmittedAverager, credentials of 12 s renewed every
+4 s) average round after round, while a rogue libp2p peer in the test process dials an operator directly and
+tries, ATTEMPTS times per credential, the handshake, joining its group, sending it a part and downloading its
+state: with no credential, a tampered one, one signed by another authority, another peer's, an expired one, a banned
+node's and another stage's. Every attempt is refused with its reason, the operator counts each, and every honest
+round completes with the right average (across several renewals). The same attacks, three times each, against
+a worker of a live training swarm with SPARTA on: tests/runtime/test_admission_swarm.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from agoractl.auth import credential, keys
 from tests.runtime.test_averaging import Swarm, readline
 
-ATTEMPTS = 3
+ATTEMPTS = 1
 PREFIX = "test_stage_sparta"
 RPCS = ("credential", "join", "part", "state")
 
@@ -32,8 +33,9 @@ def authority(tmp_path):
     return keys.write_pair(tmp_path / "authority.key")
 
 
-async def attack(peer: str, maddrs: list[str], tokens: dict) -> dict:
-    """From a fresh libp2p peer, ATTEMPTS tries of each averaging RPC at `peer` per credential; the errors."""
+async def attack(peer: str, maddrs: list[str], tokens: dict, prefix: str = PREFIX, attempts: int = ATTEMPTS) -> dict:
+    """From a fresh libp2p peer, `attempts` tries of each averaging RPC at `peer` (its averager's DHT prefix
+    `prefix`) per credential; the errors. Also used on a live swarm (tests/runtime/test_admission_swarm.py)."""
     from hivemind.compression import serialize_torch_tensor
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2, runtime_pb2
@@ -44,7 +46,7 @@ async def attack(peer: str, maddrs: list[str], tokens: dict) -> dict:
 
     p2p = await P2P.create(initial_peers=maddrs)
     ours, target = p2p.peer_id.to_base58(), PeerID.from_base58(peer)
-    stub = AdmittedAverager.get_stub(p2p, target, namespace=PREFIX)  # not an averager's process: the plain stub
+    stub = AdmittedAverager.get_stub(p2p, target, namespace=prefix)  # not an averager's process: the plain stub
     out: dict[str, list[str]] = {}
 
     async def drain(stream):
@@ -55,7 +57,7 @@ async def attack(peer: str, maddrs: list[str], tokens: dict) -> dict:
         "credential": lambda token: stub.rpc_credential(
             runtime_pb2.ExpertRequest(metadata=MSGPackSerializer.dumps({"cred": token})), timeout=30),
         "join": lambda _: stub.rpc_join_group(averaging_pb2.JoinRequest(
-            schema_hash=b"x", expiration=get_dht_time() + 30, group_key=f"{PREFIX}.0b00000000")),
+            schema_hash=b"x", expiration=get_dht_time() + 30, group_key=f"{prefix}.0b00000000")),
         "part": lambda _: stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(
             group_id=b"g" * 20, weight=1.0, tensor_part=serialize_torch_tensor(torch.zeros(8))))),
         "state": lambda _: stub.rpc_download_state(averaging_pb2.DownloadRequest()),
@@ -64,7 +66,7 @@ async def attack(peer: str, maddrs: list[str], tokens: dict) -> dict:
         for name, make in tokens.items():
             token = make(ours) if make else None
             for rpc in RPCS:
-                for _ in range(ATTEMPTS):
+                for _ in range(attempts):
                     try:
                         result = await calls[rpc](token)
                         if rpc != "credential":

@@ -4,7 +4,8 @@ reason ``malformed`` (and is counted); no input produces a 500.
 
 Node endpoints: ``/v1/info``, ``/v1/ping``, ``/v1/probe``, ``/v1/join``, ``/v1/renew``, ``/v1/leave``,
 ``/v1/bans``. Operator endpoints need ``Authorization: Bearer <admin credential>`` (a credential with role
-``admin`` signed by the authority key, minted by the CLI from ``AGORA_AUTHORITY_KEY``).
+``admin`` signed by the authority key, minted by the CLI from ``AGORA_AUTHORITY_KEY``); ``GET /v1/nodes`` also
+takes a ``monitor`` credential (the Health Monitor's, issued by ``/v1/join`` with role ``monitor``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class JoinRequest(Strict):
     node_id: NodeId
     account: Name = "anonymous"
     account_token: Optional[Annotated[str, Field(max_length=256)]] = None
-    role: Literal["worker", "trainer"]
+    role: Literal["worker", "trainer", "monitor"]
     peer_id: PeerId
     multiaddrs: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] = []
     hardware: Hardware = Hardware()
@@ -123,7 +124,15 @@ def create_app(auth: Authorizer) -> FastAPI:
         except credential.CredentialRefused as e:
             raise HTTPException(401, f"admin credential refused: {e.reason}") from None
 
-    Admin = Depends(admin)
+    def reader(authorization: Annotated[Optional[str], Header()] = None) -> None:
+        """An operator's admin credential, or an admitted Health Monitor's (read-only endpoints)."""
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        try:
+            credential.verify(token, public, run=run, role=("admin", "monitor"), banned=auth.bans())
+        except credential.CredentialRefused as e:
+            raise HTTPException(401, f"admin or monitor credential refused: {e.reason}") from None
+
+    Admin, Reader = Depends(admin), Depends(reader)
     ADMIN = {401: {"description": "missing or invalid admin credential"}}
 
     @app.get("/v1/info")
@@ -188,7 +197,7 @@ def create_app(auth: Authorizer) -> FastAPI:
     def report() -> dict:
         return auth.report()
 
-    @app.get("/v1/nodes", responses=ADMIN, dependencies=[Admin])
+    @app.get("/v1/nodes", responses=ADMIN, dependencies=[Reader])
     def nodes() -> list[dict]:
         return auth.nodes()
 

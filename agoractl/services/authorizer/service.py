@@ -100,7 +100,8 @@ class Authorizer:
             return "malformed", f"no stage {req['stage']!r}"
         if policy.checks.integrity and (r := checks.integrity(policy, req.get("client", {}))):
             return r
-        if policy.checks.capability and (r := checks.capability(policy, req["hardware"], req.get("measurements", {}))):
+        if (policy.checks.capability and req["role"] != "monitor"  # a monitor reads records: no hardware needs
+                and (r := checks.capability(policy, req["hardware"], req.get("measurements", {})))):
             return r
         if policy.checks.reachability and (r := checks.reachable(req.get("multiaddrs", []))):
             return r
@@ -112,10 +113,11 @@ class Authorizer:
             now = self.live.now()
             self._sweep(s, now)
             counts = self._counts(s)
-            if not node.operator and policy.operators_only_until_step > self._run_step(s):
+            utility = node.role == "monitor"  # the Health Monitor: no stage, no contributor slot
+            if not node.operator and not utility and policy.operators_only_until_step > self._run_step(s):
                 return self._wait(s, nid, "capacity", "operators only until step "
                                   f"{policy.operators_only_until_step}", 30.0)
-            if not node.operator and counts.get("contributors", 0) >= policy.max_contributors:
+            if not node.operator and not utility and counts.get("contributors", 0) >= policy.max_contributors:
                 return self._wait(s, nid, "capacity", f"{policy.max_contributors} contributors admitted", 30.0)
             stage = None
             if node.role == "worker":
@@ -225,7 +227,7 @@ class Authorizer:
     def _counts(self, s: Session) -> dict[str, int]:
         counts: dict[str, int] = {}
         for n in s.scalars(select(Node).where(Node.status == "admitted")):
-            if not n.operator:
+            if not n.operator and n.role != "monitor":
                 counts["contributors"] = counts.get("contributors", 0) + 1
             if n.stage:
                 counts[f"stage:{n.stage}"] = counts.get(f"stage:{n.stage}", 0) + 1

@@ -105,6 +105,29 @@ def test_admin_endpoints_need_the_authority(backend):
     assert bad.status_code == 400 and "contributor_stages" in bad.json()["detail"]
 
 
+def test_a_monitor_reads_the_nodes_and_takes_no_contributor_slot(backend):
+    """The Health Monitor joins with role monitor: admitted with no stage even when every contributor slot is
+    taken and without hardware; its credential reads GET /v1/nodes (a worker's does not), nothing else."""
+    s = backend.start()
+    s.client.patch("/v1/policy", headers=admin(s), json={"max_contributors": 1, "joins_per_minute": 6000,
+                                                         "min_vram_gb": 8})
+    w = join(s.client, "w1").json()
+    assert w["status"] == "admitted"
+    r = s.client.post("/v1/join", json={"node_id": "mon", "role": "monitor", "peer_id": "12D3KooWMon",
+                                        "ready": True}).json()
+    assert r["status"] == "admitted" and r["stage"] is None, r
+    cred = credential.decode(r["credential"])
+    assert (cred.role, cred.stage) == ("monitor", "")
+    nodes = s.client.get("/v1/nodes", headers={"Authorization": "Bearer " + r["credential"]})
+    assert nodes.status_code == 200 and {n["node_id"]: n["role"] for n in nodes.json()} == {"w1": "worker",
+                                                                                          "mon": "monitor"}
+    assert s.client.get("/v1/nodes", headers={"Authorization": "Bearer " + w["credential"]}).status_code == 401
+    assert s.client.get("/v1/report", headers={"Authorization": "Bearer " + r["credential"]}).status_code == 401
+    assert join(s.client, "w2", peer="12D3KooWTwo").json()["reason"] == "capacity"  # the worker's slot holds
+    s.client.post("/v1/bans", headers=admin(s), json={"subject": "mon"})
+    assert s.client.get("/v1/nodes", headers={"Authorization": "Bearer " + r["credential"]}).status_code == 401
+
+
 def test_policy_change_applies_to_the_next_request(backend):
     s = backend.start()
     h = admin(s)
