@@ -155,19 +155,22 @@ def churn(
             note(f"churn: {event.get('event')}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k != "event"))
 
     for offset in churning.schedule(every, for_, count):
-        wait = start + offset - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)  # the schedule itself: one replacement every --every seconds
-        try:
-            status = json.loads(status_file.read_text())
-        except (OSError, ValueError):
-            status = {}
+        # The schedule itself (one replacement every --every seconds), cut short when the swarm's launcher ends.
+        while time.monotonic() < start + offset and churning.launcher_alive(churning.read_status(status_file)):
+            time.sleep(min(0.5, max(0.0, start + offset - time.monotonic())))
+        status = churning.read_status(status_file)
+        if not churning.launcher_alive(status):
+            log({"event": "swarm ended", "t_s": round(time.monotonic() - start, 1)})
+            break
         target = churning.pick([w for w in churning.live_workers(status) if stage in (None, w.get("stage"))], rng)
         if target is None:
             log({"event": "skipped", "t_s": round(time.monotonic() - start, 1),
                  "why": "no stage has two live workers (or the swarm ended)"})
             continue
-        answer = churning.request(Path(run.local.run_dir), target["name"], answer_timeout_s)
+        answer = churning.request(Path(run.local.run_dir), target["name"], answer_timeout_s, status_file)
+        if answer is None and not churning.launcher_alive(churning.read_status(status_file)):
+            log({"event": "swarm ended", "t_s": round(time.monotonic() - start, 1)})
+            break
         if answer is None:
             raise RuntimeFailure(f"the launcher did not answer the replacement of {target['name']} within "
                                  f"{answer_timeout_s:.0f} s", hint="is `launch swarm` still running? see its output")

@@ -132,8 +132,30 @@ def wait_training(status_file: Path, timeout_s: float) -> bool:
     return False
 
 
-def request(run_dir: Path, node: str, timeout_s: float) -> Optional[dict]:
-    """Ask the launcher to replace `node`; its answer, or None if none came within `timeout_s`."""
+def launcher_alive(status: dict) -> bool:
+    """Whether the launcher that wrote this status is still running (a status without its pid: assumed so)."""
+    pid = status.get("launcher_pid")
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_status(status_file: Path) -> dict:
+    try:
+        return json.loads(Path(status_file).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def request(run_dir: Path, node: str, timeout_s: float, status_file: Optional[Path] = None) -> Optional[dict]:
+    """Ask the launcher to replace `node`; its answer, or None if none came within `timeout_s` (or, given the
+    swarm's `status_file`, as soon as its launcher is gone)."""
     folder = Path(run_dir) / "swarm" / REQUESTS
     folder.mkdir(parents=True, exist_ok=True)
     rid = f"{time.time_ns()}-{os.getpid()}"
@@ -144,6 +166,8 @@ def request(run_dir: Path, node: str, timeout_s: float) -> Optional[dict]:
         try:
             return json.loads(done.read_text())
         except (OSError, ValueError):
+            if status_file is not None and not launcher_alive(read_status(status_file)):
+                return None
             time.sleep(0.2)
     return None
 

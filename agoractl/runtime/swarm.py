@@ -285,7 +285,7 @@ class Swarm:
         steps = min(v["step"] for v in stages.values()) if stages else 0
         elapsed = time.time() - self.started_training if self.started_training else 0.0
         return {
-            "maddrs": self.maddrs,
+            "maddrs": self.maddrs, "launcher_pid": os.getpid(),
             **({"hosts": self.hosts.describe(), "peer_maddrs": sorted(self.peer_maddrs)} if self.hosts else {}),
             "nodes": [{"name": n.name, "kind": n.kind, "stage": n.stage, "pid": n.proc.pid, "exit_code": n.poll()}
                       for n in self.nodes],

@@ -2,6 +2,7 @@
 swarm's workers, and the request/answer files between ``ops churn`` and the launcher. In-memory and tmp files."""
 
 import json
+import os
 import random
 import threading
 
@@ -41,3 +42,21 @@ def test_a_request_is_answered_through_files(tmp_path):
     t.start()
     assert churn.request(tmp_path, "worker-head-1", timeout_s=30) == {"killed": "worker-head-1"}
     t.join()
+
+
+def test_a_request_ends_when_the_launcher_is_gone(tmp_path):
+    """`ops churn` does not wait out --answer-timeout-s (nor its schedule) for a launcher that has exited: the
+    status names the launcher's pid, and a pid that is gone ends the wait at once."""
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"launcher_pid": gone.pid}))
+    assert not churn.launcher_alive(churn.read_status(status))
+    assert churn.launcher_alive({"launcher_pid": os.getpid()}) and churn.launcher_alive({})
+    t0 = time.monotonic()
+    assert churn.request(tmp_path, "worker-head-0", 30, status) is None
+    assert time.monotonic() - t0 < 5

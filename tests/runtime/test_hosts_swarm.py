@@ -66,8 +66,8 @@ def scenario(sample_shards, tmp_path_factory):
     t0 = time.monotonic()
     swarm = subprocess.Popen(agoractl("launch", "swarm", MANIFEST, *sets(values), "--json"), stdout=subprocess.PIPE,
                              stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
-    churn = subprocess.Popen(agoractl("ops", "churn", MANIFEST, *sets(values), "--stage", "head", "--every", "15",
-                                      "--for", "15", "--count", "1", "--seed", "0", "--json",
+    churn = subprocess.Popen(agoractl("ops", "churn", MANIFEST, *sets(values), "--stage", "head", "--every", "5",
+                                      "--for", "5", "--count", "1", "--seed", "0", "--json",
                                       "--start-timeout-s", "900"),
                              stdout=subprocess.PIPE, stderr=open(tmp / "churn.err", "wb"), start_new_session=True)
     out = {"tmp": tmp, "before": before, "tag": f"{H.PREFIX}{swarm.pid}"}
