@@ -33,6 +33,7 @@ def _links() -> str:
 
 
 @root_only
+@pytest.mark.xdist_group("swarm")  # never beside the namespaces swarm: its hosts would be in `before`, its load in the RTT
 def test_shaped_link_has_the_configured_bandwidth_and_rtt():
     before = H.namespaces()
     config = HostsConfig(enabled=True, shaping=[Shape(kind="worker", role="contributor", bandwidth_mbps=100,
