@@ -106,15 +106,14 @@ def cli_batch(invocations, cwd, env=None, timeout=300) -> list[subprocess.Comple
 @pytest.fixture(scope="session")
 def sample_shards(tmp_path_factory) -> Path:
     """The sample corpus (2,000 rows in 2 files) and its 4 shards, made once per test session (per xdist
-    worker) with the real commands: returns the directory holding sample/ and shards/. Tests that run a
-    swarm copy the shards (:func:`private_shards`): trainers write a ledger and progress beside them."""
+    worker) with the real commands, in one interpreter (:func:`cli_batch`): returns the directory holding
+    sample/ and shards/. Tests that run a swarm copy the shards (:func:`private_shards`): trainers write a ledger and progress beside them."""
     root = tmp_path_factory.mktemp("sample-shards")
-    agoractl = [sys.executable, "-m", "agoractl"]
-    subprocess.run([*agoractl, "data", "sample", "--out", str(root / "sample"), "--rows", "2000", "--files", "2",
-                    "--json"], check=True, capture_output=True, timeout=300)
-    subprocess.run([*agoractl, "shard", str(MANIFESTS / "local-cpu.yaml"), "--set",
-                    f"data.source={root / 'sample'}/*.parquet", "--set", f"data.output={root / 'shards'}",
-                    "--set", "data.num_shards=4", "--json"], check=True, capture_output=True, timeout=300)
+    for proc in cli_batch([["data", "sample", "--out", root / "sample", "--rows", "2000", "--files", "2", "--json"],
+                           ["shard", MANIFESTS / "local-cpu.yaml", "--set", f"data.source={root / 'sample'}/*.parquet",
+                            "--set", f"data.output={root / 'shards'}", "--set", "data.num_shards=4", "--json"]],
+                          cwd=root):
+        assert proc.returncode == 0, f"{proc.args}: exit {proc.returncode}\n{proc.stderr}"
     return root
 
 
