@@ -57,7 +57,8 @@ _BATCH = r"""
 import json, os, sys, tempfile, traceback
 from agoractl.cli.main import run
 invocations, result_path, results = json.loads(sys.argv[1]), sys.argv[2], []
-for argv in invocations:
+for argv, cwd in invocations:
+    os.chdir(cwd)
     sys.stdout.flush(); sys.stderr.flush()
     saved, files = [os.dup(1), os.dup(2)], [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
     os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
@@ -88,15 +89,18 @@ def cli_batch(invocations, cwd, env=None, timeout=300) -> list[subprocess.Comple
     (:func:`agoractl.cli.main.run`, which turns every error into one line and an exit code) in ONE fresh
     subprocess: the interpreter starts, and torch is imported, once instead of once per invocation. Each
     invocation's file descriptors 1 and 2 are captured on their own (so are logs and anything a child
-    writes); returns one CompletedProcess per invocation, its returncode the code `run` exits with. For
+    writes); returns one CompletedProcess per invocation, its returncode the code `run` exits with. An
+    invocation is a list of arguments, run in `cwd`, or a tuple (arguments, its own working directory). For
     bad-input checks; a test whose subject is the process itself (signals, crashes) spawns it alone."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("AGORA_DEBUG", None) if not (env and "AGORA_DEBUG" in env) else None
-    argvs = [[str(a) for a in args] for args in invocations]
+    invocations = [i if isinstance(i, tuple) else (i, cwd) for i in invocations]
+    argvs = [[str(a) for a in args] for args, _ in invocations]
+    cwds = [str(c) for _, c in invocations]
     with tempfile.TemporaryDirectory(prefix="cli-batch-") as tmp:
         result = Path(tmp) / "result.json"
-        proc = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(argvs), str(result)], cwd=cwd,
-                              env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(list(zip(argvs, cwds))), str(result)],
+                              cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0 and result.is_file(), f"batch exit {proc.returncode}\n{proc.stderr}"
         got = json.loads(result.read_text())
     return [subprocess.CompletedProcess([sys.executable, "-m", "agoractl", *a], r["returncode"], r["stdout"],
