@@ -9,10 +9,12 @@ A ``swarm`` module with light processes (no trainers) may name its own ``xdist_g
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -32,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def cli(tmp_path):
-    """Run `python -m agoractl ARGS` in tmp_path as a real subprocess; returns CompletedProcess."""
+    """Run `python -m agoractl ARGS` in tmp_path as a real subprocess; returns CompletedProcess.
+    ``cli.batch(ARGS, ARGS, ...)``: several invocations in one subprocess (:func:`cli_batch`)."""
 
     def run(*args, cwd=None, env=None, timeout=300, check=None):
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -43,21 +46,82 @@ def cli(tmp_path):
             assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         return proc
 
+    def batch(*invocations, cwd=None, env=None, timeout=300):
+        return cli_batch(invocations, cwd=cwd or tmp_path, env=env, timeout=timeout)
+
+    run.batch = batch
     return run
+
+
+_BATCH = r"""
+import json, os, sys, tempfile, traceback
+from agoractl.cli.main import run
+invocations, result_path, results = json.loads(sys.argv[1]), sys.argv[2], []
+for argv, cwd, env in invocations:
+    os.chdir(cwd)
+    environ = dict(os.environ)
+    os.environ.update(env)
+    sys.stdout.flush(); sys.stderr.flush()
+    saved, files = [os.dup(1), os.dup(2)], [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
+    sys.argv = ["agoractl", *argv]
+    try:
+        run()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        os.environ.clear(); os.environ.update(environ)
+    out = []
+    for f in files:
+        f.seek(0)
+        out.append(f.read().decode(errors="replace"))
+    results.append({"returncode": code, "stdout": out[0], "stderr": out[1]})
+with open(result_path, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def cli_batch(invocations, cwd, env=None, timeout=300) -> list[subprocess.CompletedProcess]:
+    """Run several `agoractl ARGS` invocations, one after another, through the real entry point
+    (:func:`agoractl.cli.main.run`, which turns every error into one line and an exit code) in ONE fresh
+    subprocess: the interpreter starts, and torch is imported, once instead of once per invocation. Each
+    invocation's file descriptors 1 and 2 are captured on their own (so are logs and anything a child
+    writes); returns one CompletedProcess per invocation, its returncode the code `run` exits with. An
+    invocation is a list of arguments, run in `cwd`, or a tuple (arguments, its own working directory[, the
+    variables it adds to `env`: for settings agoractl reads when a command runs, not at import]). For
+    bad-input checks; a test whose subject is the process itself (signals, crashes) spawns it alone."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("AGORA_DEBUG", None) if not (env and "AGORA_DEBUG" in env) else None
+    invocations = [(*i, {})[:3] if isinstance(i, tuple) else (i, cwd, {}) for i in invocations]
+    spec = [([str(a) for a in args], str(where), own) for args, where, own in invocations]
+    with tempfile.TemporaryDirectory(prefix="cli-batch-") as tmp:
+        result = Path(tmp) / "result.json"
+        proc = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(spec), str(result)],
+                              cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and result.is_file(), f"batch exit {proc.returncode}\n{proc.stderr}"
+        got = json.loads(result.read_text())
+    return [subprocess.CompletedProcess([sys.executable, "-m", "agoractl", *a], r["returncode"], r["stdout"],
+                                        r["stderr"]) for (a, _, _), r in zip(spec, got)]
 
 
 @pytest.fixture(scope="session")
 def sample_shards(tmp_path_factory) -> Path:
     """The sample corpus (2,000 rows in 2 files) and its 4 shards, made once per test session (per xdist
-    worker) with the real commands: returns the directory holding sample/ and shards/. Tests that run a
-    swarm copy the shards (:func:`private_shards`): trainers write a ledger and progress beside them."""
+    worker) with the real commands, in one interpreter (:func:`cli_batch`): returns the directory holding
+    sample/ and shards/. Tests that run a swarm copy the shards (:func:`private_shards`): trainers write a
+    ledger and progress beside them."""
     root = tmp_path_factory.mktemp("sample-shards")
-    agoractl = [sys.executable, "-m", "agoractl"]
-    subprocess.run([*agoractl, "data", "sample", "--out", str(root / "sample"), "--rows", "2000", "--files", "2",
-                    "--json"], check=True, capture_output=True, timeout=300)
-    subprocess.run([*agoractl, "shard", str(MANIFESTS / "local-cpu.yaml"), "--set",
-                    f"data.source={root / 'sample'}/*.parquet", "--set", f"data.output={root / 'shards'}",
-                    "--set", "data.num_shards=4", "--json"], check=True, capture_output=True, timeout=300)
+    for proc in cli_batch([["data", "sample", "--out", root / "sample", "--rows", "2000", "--files", "2", "--json"],
+                           ["shard", MANIFESTS / "local-cpu.yaml", "--set", f"data.source={root / 'sample'}/*.parquet",
+                            "--set", f"data.output={root / 'shards'}", "--set", "data.num_shards=4", "--json"]],
+                          cwd=root):
+        assert proc.returncode == 0, f"{proc.args}: exit {proc.returncode}\n{proc.stderr}"
     return root
 
 

@@ -1,5 +1,6 @@
 """Tests of ``agoractl analyze divergence`` as a real subprocess on snapshots written to a local store:
-the JSON keys, a PNG plot, the human table, a text probe, and exit codes for bad requests."""
+the JSON keys, a PNG plot, the human table, a text probe, and exit codes for bad requests. Each test's
+invocations share one interpreter (``cli.batch``)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ def test_divergence_json_plot_and_table(cli, tmp_path):
     _identical_and_noisy(run, CheckpointStore(run), noisy_stage=0, eps={10: 0.01, 20: 0.02, 30: 0.04})
     sets = ["--set", f"checkpoints.store={tmp_path}/store", "--set", f"data.output={tmp_path}/no-shards"]
     (tmp_path / "probe.txt").write_text("The consensus of replicas is measured on a fixed probe text. " * 20)
-    r = cli("analyze", "divergence", FILE, "--stage", "head", "--steps", "10,30", "--probe", tmp_path / "probe.txt",
-            "--probe-batch", 2, "--plot", tmp_path / "fig" / "head.png", *sets, "--json", check=0)
+    r, human = cli.batch(["analyze", "divergence", FILE, "--stage", "head", "--steps", "10,30", "--probe",
+                          tmp_path / "probe.txt", "--probe-batch", 2, "--plot", tmp_path / "fig" / "head.png", *sets,
+                          "--json"],
+                         ["analyze", "divergence", FILE, "--stage", "head", "--no-js", *sets])
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("stage", "steps", "segment_variance", "consensus_movement", "l2_mean", "js_mean", "js_max"):
         assert key in out, key
@@ -33,15 +37,19 @@ def test_divergence_json_plot_and_table(cli, tmp_path):
     png = (tmp_path / "fig" / "head.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert [p.name for p in (tmp_path / "fig").iterdir()] == ["head.png"]
-    r = cli("analyze", "divergence", FILE, "--stage", "head", "--no-js", *sets, check=0)
+    r = human
+    assert r.returncode == 0, r.stderr
     assert "divergence of stage head" in r.stdout and "lowest segment" in r.stdout
     assert r.stdout.count("\n") > 6
 
 
 def test_divergence_bad_requests(cli, tmp_path):
     sets = ["--set", f"checkpoints.store={tmp_path}/store"]
-    r = cli("analyze", "divergence", FILE, "--stage", "middle", *sets, check=2)
+    r, nothing = cli.batch(["analyze", "divergence", FILE, "--stage", "middle", *sets],
+                           ["analyze", "divergence", FILE, "--stage", "head", *sets])
+    assert r.returncode == 2, r.stderr
     assert "--stage middle: no such stage; stages are head, body-1, tail" in r.stderr
-    r = cli("analyze", "divergence", FILE, "--stage", "head", *sets, check=1)
+    r = nothing
+    assert r.returncode == 1, r.stderr
     assert "no replica snapshots of stage head" in r.stderr and "snapshots_every_steps" in r.stderr
     assert "Traceback" not in r.stderr

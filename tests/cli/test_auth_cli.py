@@ -1,6 +1,7 @@
 """``agoractl auth ...`` and ``agoractl launch authorizer`` as real subprocesses: key generation, the
 service on PostgreSQL + Redis surviving SIGKILL with nothing lost, the live policy, the report and node
-list in JSON, and one-line errors with the right exit codes."""
+list in JSON, and one-line errors with the right exit codes. Invocations that follow one another with
+nothing between them share one interpreter (``cli.batch``); the service is a process of its own."""
 
 from __future__ import annotations
 
@@ -42,20 +43,29 @@ def start_authorizer(tmp_path, env, port):
 
 
 def test_keygen_and_errors(cli, tmp_path):
-    out = json.loads(cli("auth", "keygen", "k/authority.key", "--json", check=0).stdout)
-    assert len(out["public_key"]) == 43 and (tmp_path / "k/authority.key.pub").exists()
-    r = cli("auth", "keygen", "k/authority.key", check=2)
-    assert "already exists" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "manifest.yaml").write_text("metadata: {name: t}\n")
-    r = cli("auth", "report", "manifest.yaml", check=2)
+    at = lambda args, **env: (args, tmp_path, env)  # noqa: E731 - an invocation with its own variables
+    keygen, again, no_url, no_key, no_service, no_file = cli.batch(
+        ["auth", "keygen", "k/authority.key", "--json"],
+        ["auth", "keygen", "k/authority.key"],
+        ["auth", "report", "manifest.yaml"],
+        at(["auth", "report", "manifest.yaml", "--authorizer", "http://127.0.0.1:9"], AGORA_AUTHORITY_KEY=""),
+        at(["auth", "report", "manifest.yaml", "--authorizer", f"http://127.0.0.1:{free_port()}"],
+           AGORA_AUTHORITY_KEY=str(tmp_path / "k/authority.key")),
+        at(["launch", "authorizer", "manifest.yaml"], AGORA_AUTHORITY_KEY=str(tmp_path / "nope")))
+    assert [p.returncode for p in (keygen, again, no_url, no_key, no_service, no_file)] == [0, 2, 2, 2, 1, 2], \
+        [p.stderr for p in (keygen, again, no_url, no_key, no_service, no_file)]
+    out = json.loads(keygen.stdout)
+    assert len(out["public_key"]) == 43 and (tmp_path / "k/authority.key.pub").exists()
+    r = again
+    assert "already exists" in r.stderr and "Traceback" not in r.stderr
+    r = no_url
     assert "no Authorizer URL" in r.stderr
-    r = cli("auth", "report", "manifest.yaml", "--authorizer", "http://127.0.0.1:9", check=2,
-            env={"AGORA_AUTHORITY_KEY": ""})
+    r = no_key
     assert "AGORA_AUTHORITY_KEY is not set" in r.stderr
-    r = cli("auth", "report", "manifest.yaml", "--authorizer", f"http://127.0.0.1:{free_port()}", check=1,
-            env={"AGORA_AUTHORITY_KEY": str(tmp_path / "k/authority.key")})
+    r = no_service
     assert "is `agoractl launch authorizer` running there?" in r.stderr
-    r = cli("launch", "authorizer", "manifest.yaml", check=2, env={"AGORA_AUTHORITY_KEY": str(tmp_path / "nope")})
+    r = no_file
     assert "no such file" in r.stderr
 
 
@@ -77,14 +87,18 @@ def test_service_survives_sigkill_and_the_cli_operates_it(cli, tmp_path):
         assert admitted["status"] == "admitted"
         httpx.post(url + "/v1/join", json={"node_id": "w2", "role": "worker", "peer_id": "12D3KooWB"})
         httpx.post(url + "/v1/join", json={"node_id": "bad", "role": "boss", "peer_id": "12D3KooWC"})
-        r = cli("auth", "ban", "manifest.yaml", "w9", "--authorizer", url, env=env, check=0)
-        r = cli("auth", "policy", "set", "manifest.yaml", "max_contributors=1", "--authorizer", url, "--json",
-                env=env, check=0)
+        ban, policy, negative, stage = cli.batch(
+            ["auth", "ban", "manifest.yaml", "w9", "--authorizer", url],
+            ["auth", "policy", "set", "manifest.yaml", "max_contributors=1", "--authorizer", url, "--json"],
+            ["auth", "policy", "set", "manifest.yaml", "max_contributors=-3", "--authorizer", url],
+            ["auth", "policy", "set", "manifest.yaml", "contributor_stages=[nope]", "--authorizer", url], env=env)
+        assert [p.returncode for p in (ban, policy, negative, stage)] == [0, 0, 2, 2], \
+            [p.stderr for p in (ban, policy, negative, stage)]
+        r = policy
         assert json.loads(r.stdout)["max_contributors"] == 1
-        r = cli("auth", "policy", "set", "manifest.yaml", "max_contributors=-3", "--authorizer", url, env=env, check=2)
+        r = negative
         assert "max_contributors" in r.stderr
-        r = cli("auth", "policy", "set", "manifest.yaml", "contributor_stages=[nope]", "--authorizer", url, env=env,
-                check=2)
+        r = stage
         assert "no stage nope" in r.stderr
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -101,10 +115,12 @@ def test_service_survives_sigkill_and_the_cli_operates_it(cli, tmp_path):
             held = httpx.post(url + "/v1/join", json={"node_id": "w2", "role": "worker", "peer_id": "12D3KooWB",
                                                       "ready": True}).json()
             assert held["reason"] == "capacity"  # the live policy (max_contributors=1) survived too
-            report = json.loads(cli("auth", "report", "manifest.yaml", "--authorizer", url, "--json", env=env,
-                                    check=0).stdout)
+            report, human = cli.batch(["auth", "report", "manifest.yaml", "--authorizer", url, "--json"],
+                                      ["auth", "report", "manifest.yaml", "--authorizer", url], env=env)
+            assert (report.returncode, human.returncode) == (0, 0), (report.stderr, human.stderr)
+            report = json.loads(report.stdout)
             assert report["reasons"] == {"malformed": 1, "capacity": 1}
-            human = cli("auth", "report", "manifest.yaml", "--authorizer", url, env=env, check=0).stdout
+            human = human.stdout
             assert "capacity" in human and "50.0%" in human
         finally:
             proc.send_signal(signal.SIGTERM)

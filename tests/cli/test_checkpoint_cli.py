@@ -1,6 +1,7 @@
 """Tests of ``agoractl checkpoint publish|fetch|list`` as real subprocesses against a bucket on a
 loopback moto_server (through s3fs), and their one-line errors: missing bucket, bad credentials
-(a second moto_server that enforces authentication), unknown stage, wrong files."""
+(a second moto_server that enforces authentication), unknown stage, wrong files. Each test's invocations
+run one after another in one interpreter (``cli.batch``)."""
 
 from __future__ import annotations
 
@@ -38,44 +39,58 @@ def _write_dir(path, index=0, step=None):
     return stage.state_dict()
 
 
+def exits(proc, code: int):
+    assert proc.returncode == code, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
 def test_publish_fetch_list_on_s3(cli, s3_env, tmp_path):
     store = s3_env["make_bucket"]("cli-ckpt") + "/runs/a"
     sets = ["--set", f"checkpoints.store={store}", "--set", "checkpoints.keep_last=1"]
     state = _write_dir(tmp_path / "src", step=100)
-    r = cli("checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "src", *sets, "--json", check=0)
-    pub = json.loads(r.stdout)
+    r, r300, listing, r_fetch, republish, human = cli.batch(
+        ["checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "src", *sets, "--json"],
+        ["checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "src", "--step", 300, *sets],
+        ["checkpoint", "list", FILE, *sets, "--json"],
+        ["checkpoint", "fetch", FILE, "--stage", "head", "--to", tmp_path / "out", *sets, "--json"],
+        # What fetch writes, publish reads: republish the fetched directory under the step in its meta.json.
+        ["checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "out", *sets, "--json"],
+        ["checkpoint", "list", FILE, *sets])
+    pub = json.loads(exits(r, 0).stdout)
     assert pub == {"stage": "head", "step": 100, "url": f"{store}/checkpoints/head/step-00000100", "latest": 100,
                    "skipped": False, "optimizer": True}
-    cli("checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "src", "--step", 300, *sets, check=0)
-    listing = json.loads(cli("checkpoint", "list", FILE, *sets, "--json", check=0).stdout)
+    exits(r300, 0)
+    listing = json.loads(exits(listing, 0).stdout)
     assert [(c["stage"], c["step"], c["latest"]) for c in listing["checkpoints"]] == [("head", 300, True)]
     assert listing["store"] == store and listing["snapshots"] == {}
-    r = cli("checkpoint", "fetch", FILE, "--stage", "head", "--to", tmp_path / "out", *sets, "--json", check=0)
-    fetched = json.loads(r.stdout)
+    fetched = json.loads(exits(r_fetch, 0).stdout)
     assert fetched["step"] == 300 and fetched["files"] == ["meta.json", "model.safetensors", "optimizer.json",
                                                            "optimizer.safetensors"]
     got = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["step"] == 300 and meta["stage"] == "head" and len(meta["manifest_hash"]) == 16
-    # What fetch writes, publish reads: republish the fetched directory under the step in its meta.json.
-    r = cli("checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "out", *sets, "--json", check=0)
-    assert json.loads(r.stdout)["skipped"] is True
-    human = cli("checkpoint", "list", FILE, *sets, check=0).stdout
+    assert json.loads(exits(republish, 0).stdout)["skipped"] is True
+    human = exits(human, 0).stdout
     assert "LATEST" in human and "300" in human
 
 
 def test_bad_input_is_exit_2(cli, tmp_path):
     sets = ["--set", f"checkpoints.store={tmp_path / 'store'}"]
     _write_dir(tmp_path / "src")
-    r = cli("checkpoint", "publish", FILE, "--stage", "nope", "--from", tmp_path / "src", "--step", 1, *sets, check=2)
-    assert "--stage nope: no such stage; stages are head, body-1, tail" in r.stderr
-    r = cli("checkpoint", "publish", FILE, "--stage", "tail", "--from", tmp_path / "src", "--step", 1, *sets, check=2)
-    assert "not a checkpoint of stage tail" in r.stderr
     (tmp_path / "empty").mkdir()
-    r = cli("checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "empty", *sets, check=2)
+    stage, other, step, fetch = cli.batch(
+        ["checkpoint", "publish", FILE, "--stage", "nope", "--from", tmp_path / "src", "--step", 1, *sets],
+        ["checkpoint", "publish", FILE, "--stage", "tail", "--from", tmp_path / "src", "--step", 1, *sets],
+        ["checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "empty", *sets],
+        ["checkpoint", "fetch", FILE, "--stage", "head", "--to", tmp_path / "o", *sets])
+    r = exits(stage, 2)
+    assert "--stage nope: no such stage; stages are head, body-1, tail" in r.stderr
+    r = exits(other, 2)
+    assert "not a checkpoint of stage tail" in r.stderr
+    r = exits(step, 2)
     assert "--step: required" in r.stderr
-    r = cli("checkpoint", "fetch", FILE, "--stage", "head", "--to", tmp_path / "o", *sets, check=1)
+    r = exits(fetch, 1)
     assert "no published checkpoint of stage head" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -97,9 +112,10 @@ def test_bad_credentials_are_one_line_exit_1(cli, s3_auth_server, tmp_path):
     env = {"AGORA_S3_ENDPOINT_URL": s3_auth_server, "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG",
            "AWS_SECRET_ACCESS_KEY": "wrong", "AWS_DEFAULT_REGION": "us-east-1"}
     _write_dir(tmp_path / "src")
-    for args in (["checkpoint", "list", FILE], ["checkpoint", "publish", FILE, "--stage", "head", "--from",
-                                                 tmp_path / "src", "--step", 1]):
-        r = cli(*args, "--set", "checkpoints.store=s3://some-bucket/run", env=env, check=1)
+    for r in cli.batch(*([*args, "--set", "checkpoints.store=s3://some-bucket/run"] for args in (
+            ["checkpoint", "list", FILE], ["checkpoint", "publish", FILE, "--stage", "head", "--from", tmp_path / "src",
+                                           "--step", 1])), env=env):
+        exits(r, 1)
         assert r.stderr.splitlines()[0] == ("error: s3://some-bucket/run: access denied: check AWS_ACCESS_KEY_ID / "
                                             "AWS_SECRET_ACCESS_KEY")
         assert "Traceback" not in r.stderr

@@ -1,6 +1,6 @@
 """The options every command shares (agoractl/cli/common.py): the Enums of fixed-value options agree with
 the library's own names, --stage and --device are checked in one place each, and a wrong value gets
-the same one-line error and hint everywhere. In-process, plus a few real `agoractl` subprocesses."""
+the same one-line error and hint everywhere. In-process, plus a few real `agoractl` invocations in one subprocess (``cli.batch``)."""
 
 import pytest
 
@@ -43,14 +43,20 @@ def test_stage_and_device_checks():
 
 
 def test_help_lists_the_values_and_a_wrong_one_is_one_line(cli):
-    out = cli("launch", "worker", "--help", env={"COLUMNS": "200"}, check=0).stdout
+    worker, simulate, role, stage = cli.batch(["launch", "worker", "--help"], ["simulate", "--help"],
+                                              ["launch", "worker", MANIFEST, "--stage", "head", "--role", "boss"],
+                                              ["launch", "worker", MANIFEST, "--stage", "middle"],
+                                              env={"COLUMNS": "200"})
+    assert [p.returncode for p in (worker, simulate, role, stage)] == [0, 0, 2, 2], [p.stderr for p in
+                                                                                     (worker, simulate, role, stage)]
+    out = worker.stdout
     assert "<operator|contributor>" in out
-    out = cli("simulate", "--help", env={"COLUMNS": "200"}, check=0).stdout
+    out = simulate.stdout
     assert "<fgdiloco|sparta-backward|sparta-participation>" in out and "<auto|shards|synthetic>" in out
-    err = cli("launch", "worker", MANIFEST, "--stage", "head", "--role", "boss", check=2).stderr
+    err = role.stderr
     assert err.splitlines() == [
         "error: Invalid value for '--role': 'boss' is not one of 'operator', 'contributor'.",
         "hint: `agoractl launch worker --help` lists the arguments, options and their values",
     ]
-    err = cli("launch", "worker", MANIFEST, "--stage", "middle", check=2).stderr
+    err = stage.stderr
     assert err.splitlines()[0] == "error: --stage middle: no such stage; stages are head, body-1, tail (or auto)"

@@ -1,11 +1,13 @@
 """`agoractl launch dht|worker|trainer|swarm`: bad input gives one line naming the problem and the fix,
-with exit code 2 (usage) or 1 (runtime). Real subprocesses; the swarm itself is tested in
-tests/runtime/test_swarm.py."""
+with exit code 2 (usage) or 1 (runtime). Real invocations, one after another in one subprocess
+(``cli_batch``); the swarm itself is tested in tests/runtime/test_swarm.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from agoractl.runtime.node import BOOTSTRAP_ATTEMPTS
-from tests.conftest import MANIFESTS
+from tests.conftest import MANIFESTS, cli_batch
 
 MANIFEST = str(MANIFESTS / "local-cpu.yaml")
 
@@ -16,33 +18,57 @@ def one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-def test_worker_rejects_an_unknown_stage_and_a_missing_dht(cli):
-    proc = cli("launch", "worker", MANIFEST, "--stage", "nope", check=2)
+UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWA8vgwVz2TDUV5wNfkRU2rLt6E5Phgkn2fMnbTvZ8w81b"
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """The module's invocations, one after another in one interpreter (``cli_batch``): name ->
+    CompletedProcess; their directory under "dir"."""
+    d = tmp_path_factory.mktemp("launch-nodes")
+    runs = {
+        "stage-nope": ["launch", "worker", MANIFEST, "--stage", "nope"],
+        "no-dht": ["launch", "worker", MANIFEST, "--stage", "head"],
+        "unreachable": ["launch", "worker", MANIFEST, "--stage", "auto", "--initial-peers", UNREACHABLE],
+        "trainer-index": ["launch", "trainer", MANIFEST, "--index", "7", "--initial-peers", "/ip4/127.0.0.1/tcp/1"],
+        "swarm-no-data": ["launch", "swarm", MANIFEST, "--set", f"data.output={d}/none", "--set",
+                          f"local.run_dir={d}/run"],
+        "swarm-trainers": ["launch", "swarm", MANIFEST, "--set", "local.trainers=3", "--set", "trainers.count=2"],
+    }
+    return {**dict(zip(runs, cli_batch(runs.values(), cwd=d))), "dir": d}
+
+
+def exits(proc, code: int):
+    assert proc.returncode == code, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def test_worker_rejects_an_unknown_stage_and_a_missing_dht(launches):
+    proc = exits(launches["stage-nope"], 2)
     assert "--stage nope" in one_error_line(proc.stderr) and "head, body-1, tail" in proc.stderr
-    proc = cli("launch", "worker", MANIFEST, "--stage", "head", check=2)
+    proc = exits(launches["no-dht"], 2)
     assert "--initial-peers" in one_error_line(proc.stderr) and "agoractl launch dht" in proc.stderr
 
 
-def test_worker_reports_an_unreachable_dht_in_one_line(cli):
-    proc = cli("launch", "worker", MANIFEST, "--stage", "auto", "--initial-peers",
-               "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWA8vgwVz2TDUV5wNfkRU2rLt6E5Phgkn2fMnbTvZ8w81b", check=1)
+def test_worker_reports_an_unreachable_dht_in_one_line(launches):
+    proc = exits(launches["unreachable"], 1)
     assert "DHT" in one_error_line(proc.stderr) and "hint:" in proc.stderr
     # Before giving up, the DHT node was started again (a busy seed may turn the first dials away).
     again = [line for line in proc.stderr.splitlines() if "starting the DHT node again" in line]
     assert len(again) == BOOTSTRAP_ATTEMPTS - 1, proc.stderr
 
 
-def test_trainer_index_must_be_in_the_ledger(cli):
-    proc = cli("launch", "trainer", MANIFEST, "--index", "7", "--initial-peers", "/ip4/127.0.0.1/tcp/1", check=2)
+def test_trainer_index_must_be_in_the_ledger(launches):
+    proc = exits(launches["trainer-index"], 2)
     assert "trainers.count" in one_error_line(proc.stderr)
 
 
-def test_swarm_checks_the_data_before_starting_anything(cli, tmp_path):
-    proc = cli("launch", "swarm", MANIFEST, "--set", f"data.output={tmp_path}/none",
-               "--set", f"local.run_dir={tmp_path}/run", check=1)
+def test_swarm_checks_the_data_before_starting_anything(launches):
+    tmp_path = launches["dir"]
+    proc = exits(launches["swarm-no-data"], 1)
     assert "index.json" in one_error_line(proc.stderr) and "agoractl shard" in proc.stderr
     assert not (tmp_path / "run" / "swarm" / "logs").exists() or not any((tmp_path / "run" / "swarm" / "logs").iterdir())
-    proc = cli("launch", "swarm", MANIFEST, "--set", "local.trainers=3", "--set", "trainers.count=2", check=2)
+    proc = exits(launches["swarm-trainers"], 2)
     assert "local.trainers" in one_error_line(proc.stderr)
 
 

@@ -1,5 +1,7 @@
 """`agoractl shard` as a real subprocess: JSON output, bad input (one line, exit 1, no index), and a
-SIGKILL part-way through followed by a rerun. Local files in tmp_path; S3 is in tests/data/test_shard_s3.py."""
+SIGKILL part-way through followed by a rerun. Local files in tmp_path; S3 is in tests/data/test_shard_s3.py.
+The short invocations run once, one after another in one interpreter (``cli_batch``), each in its own
+directory; the killed one is a process of its own."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 
 from agoractl.data.shard import verify_shard
 from agoractl.data.index import read_index
-from tests.conftest import MANIFESTS
+from tests.conftest import MANIFESTS, cli_batch
 from tests.data.corpus import bulk_corpus, read_ids, sample_corpus
 
 M = str(MANIFESTS / "local-cpu.yaml")
@@ -34,47 +36,105 @@ def assert_one_line_error(proc, *fragments):
     assert proc.stdout == ""
 
 
-def test_json_report(cli, tmp_path):
-    sample_corpus(tmp_path / "src", rows=900, files=2)
-    proc = cli(*shard_args("src/*.parquet", "out", "--set", "data.num_shards=3", "--json", "--jobs", "2"), check=0)
-    data = json.loads(proc.stdout)
+UNREACHABLE_S3 = {"AGORA_S3_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+                  "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
+HUB = "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"
+EXECUTOR_ERRORS = [
+    (["--executor", "dask"], "--executor dask needs the scheduler: --address"),
+    (["--address", "tcp://127.0.0.1:8786"], "--address names a Dask scheduler: add --executor dask"),
+    (["--executor", "ray"], "--executor must be one of local, dask; got 'ray'"),
+]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The module's short invocations, each in a directory of its own (name -> (CompletedProcess, directory)),
+    one after another in one interpreter (``cli_batch``). The environment points S3 at a closed port (one
+    attempt), keeps the Hugging Face hub offline and names no Dask scheduler: only the tests of S3, the hub
+    and the executor reach those."""
+    root = tmp_path_factory.mktemp("shard-cli")
+    dirs = {}
+
+    def at(name):
+        dirs[name] = root / name
+        dirs[name].mkdir()
+        return dirs[name]
+
+    sample_corpus(at("json") / "src", rows=900, files=2)
+    at("defaults")
+    at("empty-glob")
+    for damage in ("not-parquet", "truncated"):
+        bad = sample_corpus(at(damage) / "src", rows=600, files=2) / "001_00000.parquet"
+        if damage == "not-parquet":
+            bad.write_text("id,text\n1,hello\n")
+        else:
+            bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    sample_corpus(at("text-column") / "src", rows=300, files=1)
+    at("store"), at("hub")
+    for i, _ in enumerate(EXECUTOR_ERRORS):
+        at(f"executor{i}")
+    sample_corpus(at("plan") / "src", rows=900, files=3)
+    runs = {
+        "json": shard_args("src/*.parquet", "out", "--set", "data.num_shards=3", "--json", "--jobs", "2"),
+        "defaults": ["data", "sample", "--out", "runs/local-cpu/sample"],
+        "defaults-json": ["shard", M, "--json"],
+        "defaults-human": ["shard", M],
+        "empty-glob": shard_args("nowhere/*.parquet", "out"),
+        "not-parquet": shard_args("src/*.parquet", "out"),
+        "truncated": shard_args("src/*.parquet", "out"),
+        "text-column": shard_args("src/*.parquet", "out", "--set", "data.text_column=body"),
+        "store": shard_args("s3://corpus/fineweb/*.parquet", "out"),
+        "hub": shard_args(HUB, "out"),
+        **{f"executor{i}": shard_args("src/*.parquet", "out", *args) for i, (args, _) in enumerate(EXECUTOR_ERRORS)},
+        "plan": shard_args("src/*.parquet", "out", "--set", "data.num_shards=3", "--plan", "--json"),
+        "plan-human": shard_args("src/*.parquet", "out", "--plan"),
+    }
+    home = {"defaults-json": "defaults", "defaults-human": "defaults", "plan-human": "plan"}
+    where = {name: dirs[home.get(name, name)] for name in runs}
+    procs = cli_batch([(args, where[name]) for name, args in runs.items()], cwd=root,
+                      env={**UNREACHABLE_S3, "HF_HUB_OFFLINE": "1", "DASK_SCHEDULER_ADDRESS": ""})
+    return {name: (proc, where[name]) for name, proc in zip(runs, procs)}
+
+
+def exits(proc, code: int):
+    assert proc.returncode == code, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def test_json_report(shards):
+    proc, tmp_path = shards["json"]
+    data = json.loads(exits(proc, 0).stdout)
     assert {"shards", "rows", "tokens", "dropped", "index"} <= set(data)
     assert data["shards"] == 3 and data["rows"] == 900 and data["dropped"] == 0
     assert data["index"] == "out/index.json" and (tmp_path / "out" / "index.json").is_file()
     assert data["tokens"] == read_index(str(tmp_path / "out")).tokens
 
 
-def test_default_manifest_paths_after_data_sample(cli, tmp_path):
+def test_default_manifest_paths_after_data_sample(shards):
     """The demo's two steps: the sample lands where local-cpu's data.source looks."""
-    cli("data", "sample", "--out", "runs/local-cpu/sample", check=0)
-    out = json.loads(cli("shard", M, "--json", check=0).stdout)
+    exits(shards["defaults"][0], 0)
+    out = json.loads(exits(shards["defaults-json"][0], 0).stdout)
     assert out["shards"] == 8 and out["rows"] == 8000
-    human = cli("shard", M, check=0).stdout
+    human = exits(shards["defaults-human"][0], 0).stdout
     assert "8 (0 written, 8 kept)" in human
 
 
-def test_empty_glob(cli, tmp_path):
-    proc = cli(*shard_args("nowhere/*.parquet", "out"))
+def test_empty_glob(shards):
+    proc, _ = shards["empty-glob"]
     assert_one_line_error(proc, "nowhere/*.parquet", "no parquet files match")
     assert "agoractl data sample" in proc.stderr
 
 
 @pytest.mark.parametrize("damage", ["not-parquet", "truncated"])
-def test_bad_file_is_named(cli, tmp_path, damage):
-    src = sample_corpus(tmp_path / "src", rows=600, files=2)
-    bad = src / "001_00000.parquet"
-    if damage == "not-parquet":
-        bad.write_text("id,text\n1,hello\n")
-    else:
-        bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
-    proc = cli(*shard_args("src/*.parquet", "out"))
+def test_bad_file_is_named(shards, damage):
+    proc, tmp_path = shards[damage]
+    bad = tmp_path / "src" / "001_00000.parquet"
     assert_one_line_error(proc, str(bad), "not a parquet file, or truncated")
     assert not (tmp_path / "out" / "index.json").exists()
 
 
-def test_missing_text_column(cli, tmp_path):
-    sample_corpus(tmp_path / "src", rows=300, files=1)
-    proc = cli(*shard_args("src/*.parquet", "out", "--set", "data.text_column=body"))
+def test_missing_text_column(shards):
+    proc, _ = shards["text-column"]
     assert_one_line_error(proc, "000_00000.parquet", "no column 'body'")
     assert "data.text_column" in proc.stderr
 
@@ -90,24 +150,32 @@ def test_a_failed_rerun_leaves_no_index_claiming_old_shards(cli, tmp_path):
     assert all(verify_shard(str(tmp_path / "out"), e) for e in idx.shards)
 
 
-def test_unreachable_store(cli, tmp_path):
-    env = {"AGORA_S3_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
-    proc = cli(*shard_args("s3://corpus/fineweb/*.parquet", "out"), env=env)
+def test_unreachable_store(shards):
+    proc, _ = shards["store"]
     assert_one_line_error(proc, "s3://corpus/fineweb/*.parquet", "cannot reach the store")
 
 
-def test_unreachable_hub(cli, tmp_path):
+def test_unreachable_hub(shards):
     """hf:// goes through the Hugging Face filesystem; offline, the URL is named in one line."""
-    source = "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"
-    proc = cli(*shard_args(source, "out"), env={"HF_HUB_OFFLINE": "1"})
-    assert_one_line_error(proc, source)
+    proc, _ = shards["hub"]
+    assert_one_line_error(proc, HUB)
     assert "huggingface.co" in proc.stderr
 
 
 @pytest.fixture(scope="module")
 def big_corpus(tmp_path_factory):
     return bulk_corpus(tmp_path_factory.mktemp("big") / "src", rows=60000, files=6)
+
+
+@pytest.fixture(scope="module")
+def clean_big(big_corpus, tmp_path_factory):
+    """An uninterrupted `shard` of the big corpus (48 shards, 2 jobs): the reference for the reruns."""
+    cwd = tmp_path_factory.mktemp("clean")
+    proc = subprocess.run([sys.executable, "-m", "agoractl", *shard_args(f"{big_corpus}/*.parquet", "clean", "--set",
+                                                                          "data.num_shards=48", "--jobs", "2")],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return cwd / "clean"
 
 
 def _kill_when(proc, ready, timeout=120):
@@ -121,7 +189,7 @@ def _kill_when(proc, ready, timeout=120):
 
 
 @pytest.mark.parametrize("phase", ["deal", "write"])
-def test_sigkill_then_rerun_completes_consistently(cli, tmp_path, big_corpus, phase):
+def test_sigkill_then_rerun_completes_consistently(cli, tmp_path, big_corpus, clean_big, phase):
     args = shard_args(f"{big_corpus}/*.parquet", "out", "--set", "data.num_shards=48", "--jobs", "2")
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "agoractl", *args], cwd=tmp_path, start_new_session=True,
@@ -145,32 +213,26 @@ def test_sigkill_then_rerun_completes_consistently(cli, tmp_path, big_corpus, ph
     expected = [i for f in sorted(big_corpus.glob("*.parquet")) for i in pq.read_table(f, columns=["id"]).column(0).to_pylist()]
     assert collections.Counter(ids) == collections.Counter(expected) and len(set(ids)) == len(ids)
     # ...and the result is byte-identical to an uninterrupted run.
-    clean = tmp_path / "clean"
-    cli(*shard_args(f"{big_corpus}/*.parquet", "clean", "--set", "data.num_shards=48", "--jobs", "2"), check=0)
+    clean = clean_big
     for e in idx.shards:
         assert (out / e.name).read_bytes() == (clean / e.name).read_bytes()
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in clean.iterdir())
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--executor", "dask"], "--executor dask needs the scheduler: --address"),
-    (["--address", "tcp://127.0.0.1:8786"], "--address names a Dask scheduler: add --executor dask"),
-    (["--executor", "ray"], "--executor must be one of local, dask; got 'ray'"),
-])
-def test_executor_usage_errors(cli, tmp_path, args, fragment):
-    proc = cli(*shard_args("src/*.parquet", "out", *args), env={"DASK_SCHEDULER_ADDRESS": ""})
+@pytest.mark.parametrize("i, args, fragment", [(i, a, f) for i, (a, f) in enumerate(EXECUTOR_ERRORS)])
+def test_executor_usage_errors(shards, i, args, fragment):
+    proc, tmp_path = shards[f"executor{i}"]
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {fragment}"), proc.stderr
     assert proc.stdout == "" and not (tmp_path / "out").exists()
 
 
-def test_plan_writes_nothing(cli, tmp_path):
-    sample_corpus(tmp_path / "src", rows=900, files=3)
-    plan = json.loads(cli(*shard_args("src/*.parquet", "out", "--set", "data.num_shards=3", "--plan", "--json"),
-                          check=0).stdout)
+def test_plan_writes_nothing(shards):
+    proc, tmp_path = shards["plan"]
+    plan = json.loads(exits(proc, 0).stdout)
     assert plan["files"] == 3 and plan["rows"] == 900 and plan["shards"] == 3 and plan["units"] == 3
     assert plan["rows_per_shard"] == 300 and plan["spill_bytes"] > plan["uncompressed_bytes"] > plan["input_bytes"]
     assert plan["estimated_tokens"] > 900 and plan["estimated_seconds"] > 0
     assert plan["memory_per_worker_bytes"] > max(plan["memory"]["deal"], plan["memory"]["write"])
-    human = cli(*shard_args("src/*.parquet", "out", "--plan"), check=0).stdout
+    human = exits(shards["plan-human"][0], 0).stdout
     assert "memory per worker" in human and "spill" in human
     assert not (tmp_path / "out").exists()

@@ -136,17 +136,20 @@ def test_launch_refuses_another_runs_store_with_exit_2_and_writes_nothing(cli, t
     url = _foreign_store(tmp_path)
     before = _tree(tmp_path / "store")
     sets = ["--set", f"checkpoints.store={url}", "--set", f"local.run_dir={tmp_path / 'run'}"]
-    for argv in (["launch", "swarm", MANIFEST, *sets], ["launch", "trainer", MANIFEST, *sets]):
-        proc = cli(*argv, check=2)
+    swarm, trainer, fresh, both = cli.batch(["launch", "swarm", MANIFEST, *sets], ["launch", "trainer", MANIFEST, *sets],
+                                            ["launch", "swarm", MANIFEST, *sets, "--fresh"],
+                                            ["launch", "swarm", MANIFEST, *sets, "--resume-step", "10", "--fresh"])
+    for proc in (swarm, trainer):
+        assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert lines[0].startswith("error: ") and "belongs to run someone-else" in lines[0], proc.stderr
         assert len(lines) <= 2 and "Traceback" not in proc.stderr  # the line and its hint
     assert _tree(tmp_path / "store") == before and not (tmp_path / "run").exists()
 
-    proc = cli("launch", "swarm", MANIFEST, *sets, "--fresh", check=2)
-    assert "--fresh starts over only in an empty store" in proc.stderr
-    proc = cli("launch", "swarm", MANIFEST, *sets, "--resume-step", "10", "--fresh", check=2)
-    assert "exclude each other" in proc.stderr
+    proc = fresh
+    assert proc.returncode == 2 and "--fresh starts over only in an empty store" in proc.stderr, proc.stderr
+    proc = both
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr, proc.stderr
     assert _tree(tmp_path / "store") == before
 
 
@@ -164,10 +167,13 @@ def test_central_refusals_and_fresh_force_keep_the_old_checkpoints(cli, tmp_path
     proc = cli("launch", "central", MANIFEST, *sets, check=2)
     assert proc.stderr.startswith("error: ") and "belongs to run someone-else" in proc.stderr.splitlines()[0]
     assert _tree(tmp_path / "store") == before and not (tmp_path / "run").exists()
-    proc = cli("launch", "central", MANIFEST, *sets, "--resume-step", "20", "--force", check=1)
+    proc, fresh = cli.batch(["launch", "central", MANIFEST, *sets, "--resume-step", "20", "--force"],
+                            ["launch", "central", MANIFEST, *sets, "--fresh", "--force", "--until-step", "1", "--json"])
+    assert proc.returncode == 1, proc.stderr
     assert "does not fit this stage" in proc.stderr  # --force adopts the store; the tensors still must fit
 
-    proc = cli("launch", "central", MANIFEST, *sets, "--fresh", "--force", "--until-step", "1", "--json", check=0)
+    proc = fresh
+    assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["resume"]["action"] == "start-over" and report["steps"] == 1
     aside = report["resume"]["moved_aside"]

@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--size", type=int, default=1000)
     p.add_argument("--expected", type=int, default=3)
     p.add_argument("--window", type=float, default=20.0)  # the longest wait: a group forms once all joined
+    p.add_argument("--allreduce-timeout", type=float, default=60.0)  # sparta.allreduce_timeout_s
     p.add_argument("--chunk-bytes", type=int, default=1024)
     p.add_argument("--wire", default="fp32")
     p.add_argument("--part-multiple", type=float, default=None)  # validation.part_multiple (None: finiteness only)
@@ -45,7 +46,7 @@ def main() -> None:
     dht = hivemind.DHT(initial_peers=args.initial_peer, start=True, client_mode=args.role == "contributor",
                        startup_timeout=120)
     kwargs = dict(prefix="test_stage_sparta", capacity=args.size + 7, client_mode=args.role == "contributor",
-                  matchmaking_timeout_s=args.window, allreduce_timeout_s=60, chunk_timeout_s=5,
+                  matchmaking_timeout_s=args.window, allreduce_timeout_s=args.allreduce_timeout, chunk_timeout_s=5,
                   chunk_bytes=args.chunk_bytes, wire_dtype=args.wire, part_multiple=args.part_multiple)
     adm = None
     if args.authority_key:
@@ -105,8 +106,8 @@ def admitted(dht, args, kwargs):
         return credential.issue(key, run="test", node_id=f"{args.role}-{peer[-6:]}", account="test", role="worker",
                                 stage="stage", peer_id=peer, ttl_s=args.ttl, serial=1)
 
-    sparta = {"matchmaking_timeout_s": kwargs["matchmaking_timeout_s"], "allreduce_timeout_s": 60,
-              "chunk_timeout_s": 5, "chunk_bytes": kwargs["chunk_bytes"], "wire_dtype": kwargs["wire_dtype"]}
+    sparta = {"matchmaking_timeout_s": kwargs["matchmaking_timeout_s"],
+              "allreduce_timeout_s": kwargs["allreduce_timeout_s"], "chunk_timeout_s": 5, "chunk_bytes": kwargs["chunk_bytes"], "wire_dtype": kwargs["wire_dtype"]}
     bound = kwargs["part_multiple"]
     checks = ["validation.enabled=false"] if bound is None else [f"validation.part_multiple={bound}"]
     run = load_manifest(MANIFESTS / "local-cpu.yaml", ["metadata.name=test", "data_parallel.method=sparta", *checks,
