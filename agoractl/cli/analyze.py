@@ -3,7 +3,8 @@
 Reads ``<checkpoints.store>/snapshots/<stage>/step-N/*.safetensors`` directly (see
 :mod:`agoractl.ops.analyze`); prints a table per snapshot step, or with ``--json`` one object with
 ``stage``, ``steps``, ``segment_variance``, ``consensus_movement``, ``l2_mean``, ``js_mean``,
-``js_max`` (and more); ``--plot out.png`` draws the report's figures 28-29 for the stage.
+``js_max`` (and more); ``--plot out.png`` draws the report's figures 28-29 for the stage. Runs on
+``local.threads_per_process`` torch threads, as ``launch`` and ``simulate`` do.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def divergence(
     check_device(device)
     if plot and not plot.lower().endswith(".png"):
         raise UsageError(f"--plot {plot}: the plot is a PNG; give a path ending in .png")
+    import torch
+
     from agoractl.ops.analyze import analyze_divergence  # torch: after the usage checks
 
+    # torch threads as every other command (local.threads_per_process): the default, one per core, made
+    # the JS pass 5x slower in wall time on a busy 2-core machine (the threads wait on each other).
+    torch.set_num_threads(run.local.threads_per_process)
     result = analyze_divergence(run, stage, steps=steps, probe=probe, probe_batch=probe_batch, js=js,
                                 device=device, progress=None if as_json else note)
     if plot:

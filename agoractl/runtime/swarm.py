@@ -355,9 +355,6 @@ class Swarm:
             if self.run.local.hosts.enabled:
                 self.hosts = Hosts(self.run.local.hosts, log_dir=str(self.dir / "logs")).open()
             self.maddrs = self.start_seed(startup * 2)
-            self.dht = node.start_dht(self.hosts.launcher_run(self.run) if self.hosts else self.run, self.maddrs,
-                                      client_mode=True)
-            self.records = RunRecords(self.dht, self.run.metadata.name)
             self.on_note(f"DHT seed up in {time.time() - t_begin:.1f} s: {self.maddrs[0] if self.maddrs else ''}")
             for kind in self.utility:
                 self._spawn(kind, kind, self._argv(kind, *node.utility_args(kind, self._peer_args())))
@@ -367,6 +364,10 @@ class Swarm:
             # Trainers start now too (their start-up overlaps the workers'); each waits until every
             # stage has local.workers_per_stage live workers before its first sample.
             trainers = [self.start_trainer(i) for i in range(self.run.local.trainers)]
+            # The launcher's own DHT client (it watches the run's records) starts while the nodes import.
+            self.dht = node.start_dht(self.hosts.launcher_run(self.run) if self.hosts else self.run, self.maddrs,
+                                      client_mode=True)
+            self.records = RunRecords(self.dht, self.run.metadata.name)
             self._wait_for_workers(startup * 3)
             self.on_note(f"{sum(n.kind == 'worker' for n in self.nodes)} workers up in {time.time() - t_begin:.1f} s "
                  f"(logs in {self.dir / 'logs'})")

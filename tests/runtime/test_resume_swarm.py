@@ -5,9 +5,10 @@
   node's) once a checkpoint is complete for every stage; the same command resumes from the newest
   complete checkpoint and stops after step HALF. The second test then launches the command without
   ``--until-step``, which resumes from HALF to STEPS.
-- ``uninterrupted``: the same manifest, seed and data in one launch to STEPS.
-Each test runs two launches (the first test's, its fixture's; the second, the uninterrupted one and the
-last part).
+- ``uninterrupted``: the same manifest, seed and data in one launch to STEPS. It is also the pure
+  pipeline (one worker per stage, one trainer) compared with ``launch central`` on the same values.
+Each resume test runs two launches (the first test's, its fixture's; the second, the uninterrupted one and
+the last part).
 
 Checked: the SIGKILLed run resumes from its last complete checkpoint (weights and data position) and
 reaches its last step; no sequence is trained twice across the parts (from the trainers' records); the
@@ -23,13 +24,14 @@ import collections
 import json
 import math
 import signal
+import subprocess
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import private_shards
-from tests.runtime.test_swarm import TINY, Procs, finish, run_swarm
+from tests.runtime.test_swarm import MANIFEST, TINY, Procs, agoractl, finish, run_swarm, sets
 
 pytestmark = pytest.mark.swarm
 STEPS, HALF, EVERY = 20, 10, 2
@@ -96,6 +98,20 @@ def resumed(sample_shards, tmp_path_factory) -> SimpleNamespace:
 def uninterrupted(sample_shards, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     return launch(tmp / "run", values(tmp, sample_shards))
+
+
+def test_pure_pipeline_matches_the_centralized_reference(uninterrupted, sample_shards, tmp_path):
+    """One worker per stage, one trainer (the uninterrupted run): after the same tokens the loss is within
+    3% of launch central's (same seed, same data, same values)."""
+    r = uninterrupted
+    central = subprocess.run(agoractl("launch", "central", str(MANIFEST), *sets(values(tmp_path, sample_shards) + [
+        f"local.run_dir={tmp_path / 'run'}", f"checkpoints.store={tmp_path / 'cs'}"]), "--json"),
+                             capture_output=True, text=True, timeout=300)
+    assert central.returncode == 0, central.stderr
+    c = json.loads(central.stdout)
+    assert r["steps"] == c["steps"] == STEPS and r["tokens"] == c["tokens"]
+    assert abs(r["final_loss"] - c["final_loss"]) / c["final_loss"] < 0.03, (r["final_loss"], c["final_loss"])
+    assert len(r["loss"]) == STEPS and [s for s, _ in r["loss"]] == list(range(STEPS))
 
 
 def sequences(report) -> list[tuple]:
