@@ -1,6 +1,7 @@
 """The options every command shares (agoractl/cli/common.py): the Enums of fixed-value options agree with
 the library's own names, --stage and --device are checked in one place each, and a wrong value gets
-the same one-line error and hint everywhere. In-process, plus a few real `agoractl` invocations in one subprocess (``cli.batch``)."""
+the same one-line error and hint everywhere. In-process, plus a few real `agoractl` invocations in one
+subprocess (``cli.batch``)."""
 
 import pytest
 

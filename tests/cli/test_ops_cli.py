@@ -34,7 +34,8 @@ def peer_args(maddrs):
 USAGE = [
     (["--stage", "nope"], "--stage nope: no such stage"),
     (["--stage", "tail", "--during", "reduce", "--role", "contributor"], "contributors never reduce"),
-    (["--stage", "tail", "--during", "later"], "error: Invalid value for '--during': 'later' is not one of 'send', 'reduce'."),
+    (["--stage", "tail", "--during", "later"],
+     "error: Invalid value for '--during': 'later' is not one of 'send', 'reduce'."),
     (["--stage", "tail", "--set", "local.run_dir=/nonexistent/run"], "no DHT to join"),
 ]
 

@@ -136,7 +136,8 @@ def test_launch_refuses_another_runs_store_with_exit_2_and_writes_nothing(cli, t
     url = _foreign_store(tmp_path)
     before = _tree(tmp_path / "store")
     sets = ["--set", f"checkpoints.store={url}", "--set", f"local.run_dir={tmp_path / 'run'}"]
-    swarm, trainer, fresh, both = cli.batch(["launch", "swarm", MANIFEST, *sets], ["launch", "trainer", MANIFEST, *sets],
+    swarm, trainer, fresh, both = cli.batch(["launch", "swarm", MANIFEST, *sets],
+                                            ["launch", "trainer", MANIFEST, *sets],
                                             ["launch", "swarm", MANIFEST, *sets, "--fresh"],
                                             ["launch", "swarm", MANIFEST, *sets, "--resume-step", "10", "--fresh"])
     for proc in (swarm, trainer):

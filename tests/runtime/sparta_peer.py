@@ -107,7 +107,8 @@ def admitted(dht, args, kwargs):
                                 stage="stage", peer_id=peer, ttl_s=args.ttl, serial=1)
 
     sparta = {"matchmaking_timeout_s": kwargs["matchmaking_timeout_s"],
-              "allreduce_timeout_s": kwargs["allreduce_timeout_s"], "chunk_timeout_s": 5, "chunk_bytes": kwargs["chunk_bytes"], "wire_dtype": kwargs["wire_dtype"]}
+              "allreduce_timeout_s": kwargs["allreduce_timeout_s"], "chunk_timeout_s": 5,
+              "chunk_bytes": kwargs["chunk_bytes"], "wire_dtype": kwargs["wire_dtype"]}
     bound = kwargs["part_multiple"]
     checks = ["validation.enabled=false"] if bound is None else [f"validation.part_multiple={bound}"]
     run = load_manifest(MANIFESTS / "local-cpu.yaml", ["metadata.name=test", "data_parallel.method=sparta", *checks,
