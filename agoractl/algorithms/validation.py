@@ -43,11 +43,6 @@ ID_DTYPES = (torch.int32, torch.int64)
 _WIRE_DTYPE_SET, _ID_DTYPE_SET = frozenset(WIRE_DTYPES.values()), frozenset(ID_DTYPES)
 RMS_FLOOR = 1e-12
 """Least RMS a bound is derived from (an all-zero history must not reject every non-zero value)."""
-MAGNITUDE_FLOOR = 1e-2
-"""Least median a magnitude bound is derived from: at the default ``norm_multiple`` (100), a per-sample RMS up
-to 1.0 is never a magnitude fault. Early in training a stage's input gradients grow about a hundredfold within a
-few steps (0.0005 to 0.07 in the replicated swarm test), and a bound learned from a trainer's first replies banned
-honest workers for it; a x1e6 fault on values of that size (or on activations, RMS about 1) is still caught."""
 
 
 class Invalid(ValueError):
@@ -188,7 +183,7 @@ class NormTracker:
         return self._sorted[(len(self._sorted) - 1) // 2] if self._sorted else None
 
     def bound(self) -> Optional[float]:
-        return None if self.peak is None else self.multiple * max(self.peak, MAGNITUDE_FLOOR)
+        return None if self.peak is None else self.multiple * max(self.peak, RMS_FLOOR)
 
     def check(self, name: str, t: torch.Tensor) -> list[float]:
         """Raise :class:`Invalid` if `t` holds a non-finite value or a sample above the bound; else the
@@ -199,9 +194,9 @@ class NormTracker:
             if not bool(torch.isfinite(t).all()):
                 raise _non_finite(name, t)
             raise Invalid("magnitude", f"{name} has values too large for an RMS in fp32")
-        if self.peak is not None and worst > self.multiple * max(self.peak, MAGNITUDE_FLOOR):
+        if self.peak is not None and worst > self.multiple * max(self.peak, RMS_FLOOR):
             raise Invalid("magnitude", f"{name} has RMS {worst:.3g}, above {self.multiple:g} x the stage's "
-                                       f"highest recent median ({max(self.peak, MAGNITUDE_FLOOR):.3g})")
+                                       f"highest recent median ({max(self.peak, RMS_FLOOR):.3g})")
         return values
 
     def observe(self, values: Sequence[float]) -> None:
