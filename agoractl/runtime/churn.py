@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from agoractl import storage
+from agoractl.runtime.node import pid_alive
 from agoractl.runtime.records import SERVING_PHASES
 
 REQUESTS = "requests"
@@ -135,15 +136,7 @@ def wait_training(status_file: Path, timeout_s: float) -> bool:
 def launcher_alive(status: dict) -> bool:
     """Whether the launcher that wrote this status is still running (a status without its pid: assumed so)."""
     pid = status.get("launcher_pid")
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not isinstance(pid, int) or pid_alive(pid)
 
 
 def read_status(status_file: Path) -> dict:

@@ -37,6 +37,7 @@ from typing import Optional
 
 from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.hosts import Hosts as HostsConfig, Shape
+from agoractl.runtime.node import pid_alive
 
 PREFIX = "agx"
 PUBLIC_PORT = 31330
@@ -257,7 +258,7 @@ def sweep() -> list[str]:
     """Remove what launchers that no longer run left behind; returns their tags."""
     tags = {m.group(1) for n in namespaces() if (m := re.match(rf"^({PREFIX}(\d+))-", n))}
     tags |= {m.group(1) for m in re.finditer(rf"\d+: ({PREFIX}\d+)r[@:]", run_ip("-o", "link", check=False))}
-    dead = sorted(t for t in tags if not _alive(int(t[len(PREFIX):])))
+    dead = sorted(t for t in tags if not pid_alive(int(t[len(PREFIX):])))
     for tag in dead:
         remove(tag)
     return dead
@@ -272,16 +273,6 @@ def _free_subnet(pool: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
             return net
     raise RuntimeFailure(f"local.hosts.subnet {pool}: every /24 in it is in use on this machine",
                          hint="choose another local.hosts.subnet")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill_group(pid: int) -> None:

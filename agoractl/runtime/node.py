@@ -193,3 +193,14 @@ Health Monitor's database and Prometheus): started without --initial-peers."""
 def utility_args(kind: str, peer_args: list[str]) -> list[str]:
     """The extra arguments of the swarm's utility node KIND, given its ``--initial-peers`` arguments."""
     return [] if kind in NO_DHT_UTILITIES else list(peer_args)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
