@@ -22,15 +22,17 @@ Pure: the DHT transport lives in :mod:`agoractl.runtime.records`; this module on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping, Optional
 
 
 @dataclass(frozen=True)
 class PeerProgress:
-    """One replica's published progress: its step, and its cumulative samples."""
+    """One replica's published progress: its step, its cumulative samples, and its view of the stage's
+    cumulative samples (:meth:`StageProgress.stage_total`; 0 from a replica that does not say)."""
 
     step: int
     total: int
+    seen: int = 0
 
 
 class StageProgress:
@@ -42,9 +44,13 @@ class StageProgress:
     :param restarts: the stage itself restarts at `step` (a run resumed from its checkpoints, no replica
                      running): the samples of the steps before it count as seen, or a replica alone in
                      its stage would take ``(step + 1) x target`` samples for its first step
+    :param seen: the samples the stage had seen when this replica started, where no replica of the stage is
+                 left to say it: a stage that lost every replica mid-run rejoins at the run's count (another
+                 stage's, :attr:`PeerProgress.seen`), so its steps take the same samples as the other stages'
     """
 
-    def __init__(self, target: int, max_steps: int, step: int = 0, restarts: bool = False):
+    def __init__(self, target: int, max_steps: int, step: int = 0, restarts: bool = False,
+                 seen: Optional[int] = None):
         self.target, self.max_steps = int(target), int(max_steps)
         self.step = int(step)
         self.samples = 0
@@ -56,7 +62,7 @@ class StageProgress:
         self.peers: dict[str, int] = {}
         """Step of every peer currently publishing."""
         self._base = self.step * self.target  # a joiner counts from its starting step
-        self._origin = self._base if restarts else 0
+        self._origin = int(seen) if seen is not None else self._base if restarts else 0
         """Samples the stage had seen before any replica now counting started (a restarted stage's steps)."""
 
     def observe(self, peers: Mapping[str, PeerProgress]) -> None:
@@ -106,3 +112,13 @@ class StageProgress:
     def stage_step(self) -> int:
         """The furthest step any replica (this one included) has reached: where a newcomer starts."""
         return max([self.step, *self.peers.values()])
+
+
+def run_position(others: Iterable[PeerProgress]) -> Optional[PeerProgress]:
+    """Where the run is, for a stage with no replica left: the furthest step and stage sample count that the
+    other stages' replicas published (`others`; every sample passes every stage, so one count serves all).
+    None when none of them has trained yet: the run is starting, not going on."""
+    found = list(others)
+    if not any(p.step or p.seen for p in found):
+        return None
+    return PeerProgress(max(p.step for p in found), max(p.total for p in found), max(p.seen for p in found))

@@ -8,6 +8,9 @@ Operators ask live peers first, contributors the store first (the report: contri
 periodically refreshed checkpoints, to spare the operators' bandwidth); with neither, a worker
 starts from the manifest's initial weights (step 0). How far behind its stage the loaded step is
 decides whether it goes through the sync phases (:mod:`agoractl.algorithms.sync_phases`).
+
+A stage with no replica left while the others train on rejoins at the run's step
+(:func:`agoractl.algorithms.progress.run_position`, :func:`agoractl.training.stage_resume.rejoin_stage`).
 """
 
 from __future__ import annotations
@@ -107,3 +110,4 @@ def join_stage(run: Run, worker, averager, stage_step: int) -> tuple[str, int]:
     if state is None:
         return "init", 0
     return source, apply_state(state, worker.module, worker.optimizer, worker.master)
+

@@ -197,17 +197,19 @@ class RunRecords:
 
     # -- stage progress -----------------------------------------------------------------------
 
-    def publish_progress(self, stage: str, peer: str, step: int, total: int, ttl_s: float, wait: bool = True):
-        """A replica's step and cumulative samples (:class:`~agoractl.algorithms.progress.PeerProgress`)."""
-        return self._store(progress_key(self.run, stage), {"step": int(step), "total": int(total)}, ttl_s, peer,
-                           wait)
+    def publish_progress(self, stage: str, peer: str, step: int, total: int, ttl_s: float, wait: bool = True,
+                         seen: int = 0):
+        """A replica's step, cumulative samples and view of the stage's
+        (:class:`~agoractl.algorithms.progress.PeerProgress`)."""
+        return self._store(progress_key(self.run, stage), {"step": int(step), "total": int(total), "seen": int(seen)},
+                           ttl_s, peer, wait)
 
     def stage_progress(self, stage: str) -> dict[str, PeerProgress]:
         found = self._get(progress_key(self.run, stage))
         out = {}
         for peer, value in _entries(found).items():
             if isinstance(value, dict) and "step" in value:
-                out[peer] = PeerProgress(int(value["step"]), int(value.get("total", 0)))
+                out[peer] = PeerProgress(int(value["step"]), int(value.get("total", 0)), int(value.get("seen", 0)))
         return out
 
     # -- trainers -----------------------------------------------------------------------------

@@ -282,7 +282,8 @@ class Swarm:
                          "samples": sum(r.samples for r in recs.values()),
                          "max_coalesced": max([0, *(r.max_coalesced for r in recs.values())])}
         losses = [t.loss for t in snap.trainers.values() if t.loss is not None]
-        steps = min(v["step"] for v in stages.values()) if stages else 0
+        # The slowest stage's step, among stages with a record (a stage whose workers all died rejoins later).
+        steps = min([v["step"] for s, v in stages.items() if snap.workers.get(s)] or [0])
         elapsed = time.time() - self.started_training if self.started_training else 0.0
         return {
             "maddrs": self.maddrs, "launcher_pid": os.getpid(),

@@ -50,6 +50,7 @@ from agoractl.runtime.metrics import NodeMetrics, worker_sample
 from agoractl.training.pipeline_writes import PipelineWrites
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.runtime.sparta_worker import SpartaWorker
+from agoractl.algorithms.progress import run_position
 from agoractl.algorithms.termination import Termination
 from agoractl.training.data_parallel import DataParallelMethod, transport_capacity
 from agoractl.training.node_stats import WorkerNodeStats
@@ -115,8 +116,23 @@ class WorkerNode:
         joined_at = max([0, *(p.step for p in self.records.stage_progress(stage).values())])
         self.resumed = None
         """A stage not running yet starts from the store (the run restarts: agoractl.training.stage_resume)."""
+        # No replica of the stage left while the others train on: rejoin at the run's step (an explicit
+        # --resume-step / --fresh is a launch's plan, not a replacement's).
+        position = (None if joined_at or resume_step is not None or fresh
+                    else run_position(p for s in run.stage_names() if s != stage
+                                      for p in self.records.stage_progress(s).values()))
         if joined_at:
             self.log.info("joining a running stage", stage=stage, step=joined_at)
+        elif position is not None:
+            from agoractl.training.stage_resume import rejoin_stage
+
+            try:
+                self.resumed = rejoin_stage(run, stage, position.step, position.seen)
+            except BaseException:
+                node.shutdown_dht(self.dht)
+                raise
+            self.log.warning("stage had no live replica: rejoining at the run's step", stage=stage,
+                             **self.resumed.facts())
         else:
             from agoractl.training.stage_resume import resume_stage
 
@@ -127,7 +143,8 @@ class WorkerNode:
                 raise
             self.log.info("stage state", stage=stage, **self.resumed.facts())
         self.worker = Worker(run, index, device, step=joined_at or self.resumed.step, phase=phase, role=role,
-                             restarts=not joined_at)  # the stage resumes from the store: it counts from there
+                             restarts=not joined_at,  # the stage resumes from the store: it counts from there
+                             seen=position.seen if position is not None else None)
         if self.resumed is not None:
             self.resumed.apply(self.worker)
         self.worker.fault = fault
@@ -153,7 +170,7 @@ class WorkerNode:
                 self.data_parallel.rounds.restore(self.resumed.outer_state(), self.resumed.step)
         else:  # a pure pipeline: checkpoints only
             self.data_parallel = PipelineWrites(run, self.worker, self.peer)
-        if self.resumed is not None and self.resumed.checkpoint is not None:
+        if self.resumed is not None and (self.resumed.checkpoint is not None or position is not None):
             self.data_parallel.join_facts = self.resumed.facts()
         self.metrics = NodeMetrics(run, "worker", stage, node_key.instance_id(node_key.load_or_create()),
                                    worker_sample(self))
@@ -277,9 +294,9 @@ class WorkerNode:
                 if ok and on_success is not None:
                     on_success()
 
-        def store(kind: str, fn, *args, on_success=None) -> None:
+        def store(kind: str, fn, *args, on_success=None, **kwargs) -> None:
             try:
-                pending[kind] = (fn(*args, wait=False), time.monotonic(), on_success)
+                pending[kind] = (fn(*args, wait=False, **kwargs), time.monotonic(), on_success)
             except Exception as e:
                 self.worker.emit("dht", ok=False, time=time.monotonic(), error=f"{type(e).__name__}: {e}")
 
@@ -305,7 +322,8 @@ class WorkerNode:
                    or now - last_publish >= self.period)  # refresh before the record expires
             if due and "progress" not in pending:
                 last_publish, last_published = now, mine
-                store("progress", self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl)
+                store("progress", self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl,
+                      seen=progress.stage_total())
             if now >= next_fetch:
                 peers = self._dht_call(self.records.stage_progress, self.stage)
                 if peers is not None:

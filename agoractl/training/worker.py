@@ -71,7 +71,8 @@ class Worker:
     """One stage replica's queues, compute loop, gradient accumulation and optimizer."""
 
     def __init__(self, run: Run, stage_index: int, device: str = "cpu", step: int = 0,
-                 phase: str = "active", role: str = "operator", restarts: bool = False):
+                 phase: str = "active", role: str = "operator", restarts: bool = False,
+                 seen: Optional[int] = None):
         self.run, self.index = run, stage_index
         self.name = run.stage_names()[stage_index]
         self.device = torch.device(device)
@@ -85,7 +86,8 @@ class Worker:
             self.master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in self.params]
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._optimizer_lock = threading.Lock()
-        self.progress = StageProgress(run.training.global_batch_size, run.training.stop_step, step, restarts)
+        self.progress = StageProgress(run.training.global_batch_size, run.training.stop_step, step, restarts,
+                                      seen)
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agoractl.algorithms.progress import PeerProgress, StageProgress
+from agoractl.algorithms.progress import PeerProgress, StageProgress, run_position
 
 
 def test_a_lone_replica_steps_every_global_batch_exactly():
@@ -88,3 +88,22 @@ def test_a_stage_restarted_at_a_step_takes_one_batch_per_step_from_there():
     joiner = StageProgress(8, 10, step=4)
     joiner.add(8)
     assert not joiner.should_step()  # no peer counts: it waits for a replica ahead
+
+
+def test_a_stage_rejoining_at_the_runs_count_steps_with_the_other_stages():
+    """The only tail worker died mid-step: the head had counted 3 samples of step 4 (of 8). Its replacement
+    starts at the head's count, so its step 4 ends after the same 5 samples as the head's, not 8 later."""
+    head = StageProgress(8, 10, step=4, restarts=True)
+    head.add(3)
+    tail = StageProgress(8, 10, step=4, seen=head.stage_total())
+    assert tail.room() == 5
+    for p in (head, tail):
+        p.add(5)
+        assert p.should_step() and p.advance() and p.step == 5
+
+
+def test_run_position_is_the_furthest_other_stage_and_none_before_training():
+    assert run_position([]) is None
+    assert run_position([PeerProgress(0, 0, 0), PeerProgress(0, 0)]) is None  # the run is starting
+    pos = run_position([PeerProgress(6, 20, 51), PeerProgress(5, 30, 47), PeerProgress(6, 0)])
+    assert pos == PeerProgress(6, 30, 51)

@@ -1,14 +1,13 @@
 """``launch swarm`` keeps its nodes alive, ends a stalled run, and stops on a signal within its bound: real
 swarms on loopback (DHT seed, 2 stages x 1 worker, 1 trainer, each its own process), not mocked, marked
 ``swarm``, in the smallest setting that still trains through the pipeline (2 stages, seq_len 32, batch 4).
-Two swarms, as each ends a different way:
+Three swarms, as each ends a different way:
 
-- The only tail worker is SIGKILLed twice: each time a new one joins and serves (the tail steps past the
-  kill); then, while the head worker is being stopped, the launcher gets SIGINT: it exits 130 within
-  ``STOP_BOUND_S``, nothing of any node is left, and the report counts two restarts for the tail stage.
-  (Not checked: that such a run reaches ``training.max_steps``. A replacement with no live peer in its
-  stage starts at step 0 with initial weights, so the head stage reaches ``max_steps`` first and its
-  worker exits, and the run ends as stalled or completes depending on timing.)
+- The only tail worker is SIGKILLed twice: each time a new one joins (at the run's step, from the stage's
+  newest checkpoint) and serves, the run reaches ``training.max_steps``, and the report counts two restarts
+  for the tail stage.
+- The only tail worker is SIGKILLed and the launcher gets SIGINT right after: it exits 130 within
+  ``STOP_BOUND_S`` and nothing of any node is left.
 - With ``local.max_restarts: 0`` the only tail worker is SIGKILLed: the console names the stalled stage
   and the launcher exits 3 within ``local.stall_timeout_s`` + 10 s, its report's ``end_reason`` naming it.
 
@@ -33,6 +32,7 @@ from tests.runtime.test_swarm import (
     by_stage,
     err_tail,
     live_members,
+    finish,
     run_swarm,
     wait_status,
 )
@@ -42,6 +42,7 @@ SMALL = TINY + ["stages=[{role: head, layers: 2}, {role: tail, layers: 2}]", "mo
                 "training.global_batch_size=4", "workers.max_microbatch=4",
                 "local.workers_per_stage=1", "local.trainers=1", "trainers.count=1", "local.restart_backoff_s=0.5"]
 STALL_S = 20
+MAX_STEPS = 100
 
 
 @pytest.fixture
@@ -58,27 +59,56 @@ def current(status: dict, slot: str) -> dict:
     return live[-1]
 
 
+def ready(run_dir, node: str) -> bool:
+    """Whether the node's log says it is ready (serving)."""
+    log = run_dir / "swarm" / "logs" / f"{node}.log"
+    return log.exists() and '"worker ready"' in log.read_text()
+
+
 def swarm_err(run_dir) -> str:
     return (run_dir.parent / f"{run_dir.name}-swarm.err").read_text()
 
 
-def test_killed_tail_worker_is_replaced_twice_then_sigint_stops_everything_in_bound(sample_shards, procs, tmp_path):
+def test_killed_tail_worker_is_replaced_twice_and_the_run_reaches_max_steps(sample_shards, procs, tmp_path):
     run_dir = tmp_path / "run"
     p, status = run_swarm(procs, run_dir, private_shards(sample_shards, tmp_path) + SMALL + [
-        "training.max_steps=100000", "local.max_restarts=2", "local.stall_timeout_s=120",
-        f"checkpoints.store={tmp_path / 'store'}"])
-    s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= 1)
+        f"training.max_steps={MAX_STEPS}", "local.max_restarts=2", "local.stall_timeout_s=120",
+        "checkpoints.every_steps=10"])
+    s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= 5)
     for attempt in (1, 2):
         victim = current(s, "worker-tail-0")
-        at = s["stages"]["tail"]["step"]
         os.killpg(victim["pid"], signal.SIGKILL)  # the whole node: python, its DHT process and p2pd
-        # A new one joins (a new process, started by the launcher) and serves: the tail steps past the kill.
+        # A new one joins (a new process, started by the launcher) and serves: the tail steps past where the
+        # newcomer said it was ready (the killed worker's record lingers in the DHT for its TTL meanwhile).
         s = wait_status(status, p, lambda s: s["restarts"]["worker-tail-0"] == attempt  # noqa: B023
                         and current(s, "worker-tail-0")["pid"] != victim["pid"]  # noqa: B023
-                        and s["stages"]["tail"]["live"] == 1 and s["stages"]["tail"]["step"] >= at + 1,  # noqa: B023
-                        timeout=150)
-    head = current(s, "worker-head-0")
-    os.killpg(head["pid"], signal.SIGTERM)  # the head worker is stopping ...
+                        and ready(run_dir, current(s, "worker-tail-0")["name"]), timeout=150)
+        at = s["stages"]["tail"]["step"]
+        s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= at + 1, timeout=60)  # noqa: B023
+    r = finish(p, run_dir)  # exit 0
+    assert r["completed"] and r["steps"] == MAX_STEPS and r["end_reason"] == f"max_steps reached (step {MAX_STEPS})"
+    assert r["restarts"]["worker-tail-0"] == 2 and by_stage(r)["tail"]["restarts"] == 2
+    assert r["restarts"]["worker-head-0"] == 0 and by_stage(r)["head"]["restarts"] == 0
+    kills = [e for e in r["node_exits"] if e["slot"] == "worker-tail-0"]
+    assert [(e["node"], e["how"], e["restarted"]) for e in kills] == [
+        ("worker-tail-0", "killed by SIGKILL", True), ("worker-tail-0.r1", "killed by SIGKILL", True)]
+    # Each replacement rejoined at the run's step, from the stage's newest checkpoint in the store.
+    last = [w for w in r["workers"] if w["stage"] == "tail" and not w["killed"]]
+    assert len(last) == 1 and last[0]["step"] == MAX_STEPS, r["workers"]
+    join = last[0]["join"]
+    assert join["action"] == "rejoin" and join["source"] == "store" and join["loaded_step"] % 10 == 0, join
+    assert join["loaded_step"] <= join["loaded_step"] + join["stale_steps"] < MAX_STEPS, join
+    err = swarm_err(run_dir)
+    assert "worker-tail-0 killed by SIGKILL; starting it again" in err
+    assert "worker-tail-0.r1 killed by SIGKILL; starting it again" in err and "(restart 2 of 2)" in err
+
+
+def test_sigint_while_a_worker_is_being_killed_stops_everything_in_bound(sample_shards, procs, tmp_path):
+    run_dir = tmp_path / "run"
+    p, status = run_swarm(procs, run_dir, private_shards(sample_shards, tmp_path) + SMALL + [
+        "training.max_steps=100000", "local.max_restarts=2"])
+    s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= 1)
+    os.killpg(current(s, "worker-tail-0")["pid"], signal.SIGKILL)  # a worker is being killed ...
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)  # ... when Ctrl-C comes
     p.communicate(timeout=STOP_BOUND_S + 30)
@@ -88,15 +118,7 @@ def test_killed_tail_worker_is_replaced_twice_then_sigint_stops_everything_in_bo
     assert not live_members(groups)  # nothing of any node: python, DHT process, p2pd
     assert stopped_s <= STOP_BOUND_S + 5, stopped_s  # + the test's own latency on a loaded machine
     r = json.loads((run_dir / "swarm-report.json").read_text())
-    assert r["end_reason"] == "interrupted by SIGINT" and r["interrupted"]
-    assert r["restarts"]["worker-tail-0"] == 2 and by_stage(r)["tail"]["restarts"] == 2
-    assert r["restarts"]["worker-head-0"] == 0 and by_stage(r)["head"]["restarts"] == 0
-    kills = [e for e in r["node_exits"] if e["slot"] == "worker-tail-0"]
-    assert [(e["node"], e["how"], e["restarted"]) for e in kills] == [
-        ("worker-tail-0", "killed by SIGKILL", True), ("worker-tail-0.r1", "killed by SIGKILL", True)]
-    err = swarm_err(run_dir)
-    assert "worker-tail-0 killed by SIGKILL; starting it again" in err
-    assert "worker-tail-0.r1 killed by SIGKILL; starting it again" in err and "(restart 2 of 2)" in err
+    assert r["end_reason"] == "interrupted by SIGINT" and r["interrupted"] and not r["completed"]
 
 
 def test_without_restarts_a_killed_tail_worker_ends_the_run_as_stalled_in_bound(sample_shards, procs, tmp_path):

@@ -12,7 +12,7 @@ from agoractl.manifest.loader import load_manifest
 from agoractl.ops import resume
 from agoractl.ops.checkpoint import CheckpointStore
 from agoractl.training.fgdiloco_rounds import FGDiLoCoRounds, Unmixed
-from agoractl.training.stage_resume import resume_stage
+from agoractl.training.stage_resume import rejoin_stage, resume_stage
 from agoractl.training.worker import Worker
 from tests.conftest import MANIFESTS
 
@@ -54,3 +54,29 @@ def test_stage_state_and_fgdiloco_outer_state_resume_exactly(tmp_path):
     assert fg2.round == 2 and torch.equal(fg2.z, fg.z) and torch.equal(fg2.outer.buffer, fg.outer.buffer)
     assert torch.equal(fg2.mix1.result()[0], fg.z)
     assert resumed.facts()["source"] == "resume" and resumed.facts()["loaded_step"] == 10
+
+
+def test_a_stage_rejoins_at_the_runs_step_from_its_newest_checkpoint_before_it(tmp_path):
+    """The only tail worker died; the head is 3 samples into step 13. The tail's replacement loads the tail's
+    newest checkpoint at or before step 13 (10, of 5, 10 and 15), starts at step 13 and counts the head's
+    samples; with no checkpoint at or before the step, initial weights."""
+    run = load_manifest(MANIFESTS / "local-cpu.yaml", [f"checkpoints.store={tmp_path / 'store'}",
+                                                       "training.max_steps=40"])
+    tail, batch = run.stage_names()[-1], run.training.global_batch_size
+    store = CheckpointStore(run)
+    assert rejoin_stage(run, tail, 13, 13 * batch + 3).facts() == {
+        "source": "init", "loaded_step": 0, "stale_steps": 13, "action": "rejoin", "store": str(tmp_path / "store")}
+    trained = Worker(run, len(run.stage_names()) - 1)
+    with torch.no_grad():
+        for p in trained.master:
+            p.add_(0.5)
+    for step in (5, 10, 15):
+        store.publish(tail, step, trained.module.state_dict(), trained.optimizer.state_dict())
+    rejoined = rejoin_stage(run, tail, 13, 13 * batch + 3)
+    assert rejoined.facts() | {"store": None} == {
+        "source": "store", "loaded_step": 10, "stale_steps": 3, "action": "rejoin", "store": None}
+    assert rejoined.outer_state() is None  # an older checkpoint's round is behind the run
+    w = Worker(run, len(run.stage_names()) - 1, step=rejoined.step, seen=rejoined.seen)
+    rejoined.apply(w)
+    assert all(torch.equal(a, b) for a, b in zip(w.master, trained.master))
+    assert w.progress.step == 13 and w.progress.room() == batch - 3
