@@ -5,7 +5,9 @@ Health Monitor, a push gateway and a real Prometheus), serving the monitoring is
   loss totals equal the trainer's own final statistics exactly;
 - the body stage's only worker is SIGKILLed: the database shows it left within its record's TTL plus one
   interval (history kept after its record expired), a stage_below_minimum alert is raised, and Prometheus's
-  AgoraStageLostPeers fires in /api/v1/alerts within the rule's `for` plus two scrape intervals;
+  AgoraStageLostPeers fires in /api/v1/alerts within the rule's `for` plus two scrape intervals; the swarm
+  then starts it again (its restart delayed past the alert by local.restart_backoff_s) and Prometheus shows
+  the new process's samples in the same series: the same `instance`, the counter reset by the restart;
 - a forged trainer report stored in the run's DHT raises forged_report, and the forger is in no aggregate;
 - Prometheus shows every worker and the trainer with the labels run, role, stage and instance (the instance the
   node's slot key gives);
@@ -49,6 +51,8 @@ from tests.runtime.test_swarm import (MANIFEST, TINY, agoractl, corpus, err_tail
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 INTERVAL_S, ANNOUNCE_S, SCRAPE_S, FOR_S = 1.0, 1.0, 1.0, 30.0
+RESTART_S = FOR_S + 2 * SCRAPE_S + 15
+"""The killed body worker is started again this long after its death: once AgoraStageLostPeers fired."""
 CHROMIUM = "/usr/bin/chromium"
 SECOND_RUN = "monrun-b"
 
@@ -192,7 +196,8 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
         binary(b)  # fails (never skips) without the Debian packages
     assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: `make system-packages` installs Debian's chromium"
     run_dir, dashboard_port = tmp_path / "run", free_port()
-    values = [*corpus, *TINY, "metadata.name=monrun", "training.max_steps=100000", "local.max_restarts=0",
+    values = [*corpus, *TINY, "metadata.name=monrun", "training.max_steps=100000", "local.max_restarts=1",
+              f"local.restart_backoff_s={RESTART_S:g}",
               f"workers.announce_period_s={ANNOUNCE_S:g}", "monitoring.enabled=true",
               f"monitoring.interval_s={INTERVAL_S:g}", f"monitoring.scrape_interval_s={SCRAPE_S:g}",
               "monitoring.min_replicas=1", "dashboard.enabled=true", f"dashboard.port={dashboard_port}",
@@ -261,6 +266,19 @@ def test_monitoring_swarm(corpus, procs, tmp_path):
     _wait(firing, FOR_S + 30, "AgoraStageLostPeers firing")
     fired_after = time.time() - t_kill
     print(f"MEASURED alert_firing_after_kill_s={fired_after:.2f} (for {FOR_S:g} + 2 scrapes {2 * SCRAPE_S:g})")
+
+    # The swarm starts the body worker again (its slot key: the same instance); Prometheus's series for that
+    # instance goes on with the new process's counts (a counter reset) and no other body series appears.
+    wait_status(status_path, p, lambda s: any(n["name"] == "worker-body-1-0.r1" and n["exit_code"] is None
+                                              for n in s["nodes"]), timeout=RESTART_S + 30)
+
+    def continued():
+        q = 'resets(agora_samples_total{role="worker",stage="body-1"}[10m]) > 0'
+        r = httpx.get(f"{prom}/api/v1/query", params={"query": q}, timeout=10).json()["data"]["result"]
+        return r or None
+    assert [m["metric"]["instance"] for m in _wait(continued, 90, "the restarted worker's samples")] == [body_instance]
+    r = httpx.get(f"{prom}/api/v1/series", params={"match[]": 'agora_samples_total{stage="body-1"}'}, timeout=10)
+    assert {m["instance"] for m in r.json()["data"]} == {body_instance}
 
     # The history outlives the record; the forger was flagged and is in no aggregate.
     events = [e for (e,) in _rows(db, "SELECT event FROM health_presence_events WHERE node = ? ORDER BY id", body_peer)]
