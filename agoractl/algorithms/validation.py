@@ -11,7 +11,9 @@ Pure rules, no networking and no clock of their own; the runtime wires them in:
   (:func:`check_tensor`, :class:`NormTracker`, :func:`check_losses`): finite, the shape and dtype the
   stage promises, and a magnitude within ``validation.norm_multiple`` times the highest median the
   stage's recent per-sample RMS has had (after ``validation.warmup`` accepted samples; a median is
-  robust to the odd bad value it may have let in before); losses finite, non-negative and at most
+  robust to the odd bad value it may have let in before; ``validation.early_multiple`` times it until
+  ``validation.norm_window`` samples were accepted, while honest values still grow a hundredfold in a few
+  steps); losses finite, non-negative and at most
   ``validation.loss_multiple`` × ln(vocab_size) — the loss of a uniform guess is ln(vocab_size),
   so a freshly initialised model's large losses pass;
 - an **averaging** participant checks every part it receives (:func:`part_problem` at a reducer,
@@ -160,7 +162,16 @@ def _in_range(tensors: list, vocab_size: int) -> bool:
 class NormTracker:
     """Recent per-sample RMS of one kind of value (a stage's outputs, or its input gradients) and the
     bound it implies: `multiple` × the **highest median** the window of accepted values has had since
-    `warmup` values were accepted (None before).
+    `warmup` values were accepted (None before) — `early_multiple` × it until `window` values were
+    accepted (the window's first fill).
+
+    Why a looser bound early: at the start of training a stage's values grow fast. In the replicated
+    swarm test the body's input gradients had an RMS of about 0.0005 in a trainer's first replies and
+    0.066 some 20 replies later; the median of a window filled at step 0 lags behind, and 100 × it
+    refused honest values (and banned both body workers). A fixed floor under the median does not help:
+    it is an absolute scale where the check must be relative, and one of 0.01 let a ×1e6 gradient through
+    in the faulty-nodes swarm test. The early bound keeps the ratio, only wider: 1e4 at the default still
+    refuses ×1e6 within a few requests whatever the stage's scale, and passes honest growth of over 100×.
 
     Why the high-water mark, not the current median: a stage's values shrink as the model learns, and
     a bound that shrinks with them refuses honest values of the size the stage produced earlier. A
@@ -170,20 +181,27 @@ class NormTracker:
     Raising the mark takes more than half of the window: a faulty replica among honest ones cannot,
     and one banned within a few requests never gets near it."""
 
-    def __init__(self, multiple: float, window: int = 64, warmup: int = 8):
+    def __init__(self, multiple: float, window: int = 64, warmup: int = 8, early_multiple: Optional[float] = None):
         self.multiple, self.warmup = float(multiple), int(warmup)
+        self.early_multiple = max(self.multiple, float(early_multiple or multiple))
         self.recent: deque[float] = deque(maxlen=max(1, int(window)))
         self._sorted: list[float] = []
         self.peak: Optional[float] = None
         """The highest median of the window so far (None before `warmup` values)."""
+        self.seen = 0
+        """Values accepted so far (the bound is `early_multiple` × the peak until the window is full once)."""
 
     def median(self) -> Optional[float]:
         """The lower median of the window: a value accepted, never an average with an outlier (the mark keeps
         whatever it takes)."""
         return self._sorted[(len(self._sorted) - 1) // 2] if self._sorted else None
 
+    def current_multiple(self) -> float:
+        """`early_multiple` until the window has been full once, then `multiple`."""
+        return self.early_multiple if self.seen < self.recent.maxlen else self.multiple
+
     def bound(self) -> Optional[float]:
-        return None if self.peak is None else self.multiple * max(self.peak, RMS_FLOOR)
+        return None if self.peak is None else self.current_multiple() * max(self.peak, RMS_FLOOR)
 
     def check(self, name: str, t: torch.Tensor) -> list[float]:
         """Raise :class:`Invalid` if `t` holds a non-finite value or a sample above the bound; else the
@@ -194,9 +212,11 @@ class NormTracker:
             if not bool(torch.isfinite(t).all()):
                 raise _non_finite(name, t)
             raise Invalid("magnitude", f"{name} has values too large for an RMS in fp32")
-        if self.peak is not None and worst > self.multiple * max(self.peak, RMS_FLOOR):
-            raise Invalid("magnitude", f"{name} has RMS {worst:.3g}, above {self.multiple:g} x the stage's "
-                                       f"highest recent median ({max(self.peak, RMS_FLOOR):.3g})")
+        if self.peak is not None:  # the bound, inline (a method call per check counts: see rms_per_sample)
+            multiple = self.early_multiple if self.seen < self.recent.maxlen else self.multiple
+            if worst > multiple * max(self.peak, RMS_FLOOR):
+                raise Invalid("magnitude", f"{name} has RMS {worst:.3g}, above {multiple:g} x the stage's "
+                                           f"highest recent median ({max(self.peak, RMS_FLOOR):.3g})")
         return values
 
     def observe(self, values: Sequence[float]) -> None:
@@ -206,6 +226,7 @@ class NormTracker:
                 del ordered[bisect_left(ordered, recent[0])]
             recent.append(v)
             insort(ordered, v)
+        self.seen += len(values)
         if len(recent) >= self.warmup:
             m = self.median()
             self.peak = m if self.peak is None else max(self.peak, m)
@@ -312,7 +333,8 @@ class ReplyChecks:
     def tracker(self, stage: str, kind: str) -> NormTracker:
         key = (stage, kind)
         if key not in self.trackers:
-            self.trackers[key] = NormTracker(self.v.norm_multiple, self.v.norm_window, self.v.warmup)
+            self.trackers[key] = NormTracker(self.v.norm_multiple, self.v.norm_window, self.v.warmup,
+                                                 self.v.early_multiple)
         return self.trackers[key]
 
     def check(self, stage: str, method: str, sent: dict, out: dict, meta: dict) -> None:

@@ -292,6 +292,9 @@ class Validation(Section):
     """Recent accepted samples (per stage and kind) the median is taken over."""
     warmup: int = Field(8, ge=1)
     """Accepted samples per stage and kind before the magnitude bound applies (finiteness always does)."""
+    early_multiple: float = Field(10000.0, gt=1)
+    """The multiple of the bound (never below norm_multiple) until norm_window samples per stage and kind were
+    accepted: early in training a stage's values grow over 100x within a few steps; a x1e6 value is still refused."""
     loss_multiple: float = Field(10.0, gt=1)
     """Reject a per-sample loss above this many times ln(model.vocab_size) (a uniform guess's loss)."""
     part_multiple: float = Field(10.0, gt=0)

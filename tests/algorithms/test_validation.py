@@ -83,6 +83,59 @@ def test_a_bound_learned_early_survives_values_shrinking_as_the_model_memorises(
     assert reason(tracker.check, "input gradient", torch.full((1, 8, 4), 0.00172 * 1e6)) == "magnitude"
 
 
+HONEST_EARLY = [0.00048, 0.00052, 0.00050, 0.00055, 0.00049, 0.00053, 0.00051, 0.00055,  # the warmup's replies
+                0.0037, 0.0041, 0.0044, 0.0040, 0.026, 0.031, 0.029, 0.034, 0.061, 0.066, 0.063, 0.066]
+"""A body's input gradients early in the replicated swarm test, as one trainer received them (per-sample RMS,
+4 replies a step): about 0.0005 in the warmup's replies, 0.066 twelve replies (three steps) later."""
+
+
+def default_tracker(**overrides) -> NormTracker:
+    v = Run().validation.model_copy(update=overrides)
+    return NormTracker(v.norm_multiple, v.norm_window, v.warmup, v.early_multiple)
+
+
+@pytest.mark.parametrize("sequence", [HONEST_EARLY, HONEST_EARLY[:8] + [0.0663] * 12],
+                         ids=["rising", "a-step"])
+def test_input_gradients_growing_early_in_training_pass(sequence):
+    """The replicated swarm test's false positive: honest values 132x the warmup's median refused (and both body
+    workers banned). Every one passes the default bound; a x1e6 value on that scale does not; the same sequence
+    fails once the bound is norm_multiple from the start (the test can fail)."""
+    tracker = default_tracker()
+    for rms in sequence:
+        tracker.observe(tracker.check("input gradient", torch.full((1, 8, 4), rms)))
+    assert reason(tracker.check, "input gradient", torch.full((1, 8, 4), sequence[-1] * 1e6)) == "magnitude"
+    strict = default_tracker(early_multiple=Run().validation.norm_multiple)
+    with pytest.raises(Invalid):
+        for rms in sequence:
+            strict.observe(strict.check("input gradient", torch.full((1, 8, 4), rms)))
+
+
+@pytest.mark.parametrize("scale", [1e-7, 1e-4, 1.0])
+def test_a_x1e6_value_is_refused_at_once_whatever_the_stages_scale(scale):
+    """Once the warmup is over (early or late in the run, on a stage whose values are tiny or not) the first
+    x1e6 value is refused: no floor under the median lets it through."""
+    tracker = default_tracker()
+    for i in range(tracker.warmup):
+        tracker.observe(tracker.check("wire", torch.full((1, 8, 4), scale * (1 + 0.1 * i))))
+    assert tracker.current_multiple() == Run().validation.early_multiple
+    assert reason(tracker.check, "wire", torch.full((1, 8, 4), scale * 1e6)) == "magnitude"
+    for _ in range(tracker.recent.maxlen):
+        tracker.observe(tracker.check("wire", torch.full((1, 8, 4), scale)))
+    assert tracker.current_multiple() == Run().validation.norm_multiple
+    assert reason(tracker.check, "wire", torch.full((1, 8, 4), scale * 1e6)) == "magnitude"
+
+
+def test_the_early_bound_tightens_once_the_window_has_been_full():
+    tracker = NormTracker(multiple=100, window=16, warmup=4, early_multiple=1e4)
+    for _ in range(15):
+        tracker.observe(tracker.check("wire", torch.ones(1, 4)))
+    tracker.check("wire", torch.full((1, 4), 500.0))  # 500 x the median: honest growth early on
+    tracker.observe(tracker.check("wire", torch.ones(1, 4)))  # the 16th: the window is full
+    assert tracker.bound() == pytest.approx(100.0)
+    assert reason(tracker.check, "wire", torch.full((1, 4), 500.0)) == "magnitude"
+    assert NormTracker(multiple=100, early_multiple=10).current_multiple() == 100  # never below norm_multiple
+
+
 def test_a_magnitude_fault_never_bans_a_stages_last_serving_worker():
     book = FaultBook(fault_ban_s=600)
     assert book.record("only", "body-1", "magnitude", others_serving=False) == 0  # refused, not banned
