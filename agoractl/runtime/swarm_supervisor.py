@@ -78,9 +78,10 @@ class StallClock:
         self.progress = -1
 
     def observe(self, progress: int, now: float) -> None:
+        """`progress` as of `now` (the time of the look that read it: the step happened by then)."""
         if progress > self.progress:
             if self.progress >= 0:
-                self.since = now
+                self.since = max(self.since, now)
             self.progress = progress
 
     def reset(self, now: float) -> None:
@@ -234,7 +235,9 @@ class Supervisor:
         for stage, recs in getattr(self.swarm.snapshot, "workers", {}).items():
             steps = [r.step for r in recs.values() if r.phase in SERVING_PHASES]
             self.stage_steps[stage] = max([self.stage_steps.get(stage, 0), *steps])
-        self.stall.observe(sum(self.stage_steps.values()), now)
+        # The steps were there when the look began (a look at the DHT takes seconds on a loaded machine).
+        looked = getattr(self.swarm.snapshot, "time", None)
+        self.stall.observe(sum(self.stage_steps.values()), now - max(0.0, time.time() - looked) if looked else now)
 
     def _finished(self, slot: Slot, node) -> Optional[str]:
         """Why the node ended of its own accord, if it did (then it is not started again)."""

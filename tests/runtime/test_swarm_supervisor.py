@@ -40,6 +40,8 @@ def test_stall_clock_counts_from_the_last_step_or_restart():
     assert c.stalled(23.0)
     c.reset(23.0)  # a restart gives the newcomer the full timeout
     assert not c.stalled(32.0)
+    c.observe(4, 20.0)  # a step seen by a look that began before the restart: the restart's clock stands
+    assert c.stalled(33.0)
 
 
 def test_exits_and_causes_in_words():
