@@ -12,7 +12,8 @@ compared with the central runs just before it); ``central_threads`` is the threa
 central run. ``tokens_per_s`` is each report's own (§5.4.0.1: tokens of the completed steps over the
 training time, start-up excluded on both sides).
 
-``cpu_efficiency_ratio`` is tokens per CPU-second, swarm over central (median of the pairs): the CPU
+``cpu_efficiency_ratio`` is tokens per CPU-second, swarm over central's best over its thread counts
+(fewer threads waste less CPU: usually 1, ``central_cpu_threads``; median of the pairs): the CPU
 seconds are read from ``/proc`` every 0.2 s for every process of each run's process groups (the swarm's
 launcher, workers, trainers, their DHT processes and p2pd daemons; the central process), and counted over
 the training window only (from the first dispatch to the last stage's last step; central: its training
@@ -179,7 +180,7 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
     sets = [a for s in data + [f"local.run_dir={tmp}/run-{name}", f"checkpoints.store={tmp}/store-{name}"]
             + overrides for a in ("--set", s)] + ["--fresh", "--force"]
     threads = list(range(1, (os.cpu_count() or 1) + 1)) if args.central_threads is None else [args.central_threads]
-    central, swarm = [], []
+    central, swarm, frugal = [], [], []  # per repeat: central's fastest run, the swarm's, central's frugalest
     for i in range(args.repeats):
         tries = []
         for n in threads:
@@ -189,12 +190,14 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
             print(f"{name} central run {i + 1}, {n} thread(s): {r['tokens_per_s']:,.0f} tokens/s, "
                   f"{tokens_per_cpu_s(r):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
         central.append(max(tries, key=lambda r: r["tokens_per_s"]))
+        frugal.append(max(tries, key=tokens_per_cpu_s))
         swarm.append(agoractl("launch", "swarm", str(manifest), *sets))
         print(f"{name} swarm run {i + 1}: {swarm[-1]['tokens_per_s']:,.0f} tokens/s, "
               f"{tokens_per_cpu_s(swarm[-1]):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
     c, s = median_run(central), median_run(swarm)
     ratios = [sw["tokens_per_s"] / ce["tokens_per_s"] for ce, sw in zip(central, swarm)]
-    cpu_ratios = [tokens_per_cpu_s(sw) / tokens_per_cpu_s(ce) for ce, sw in zip(central, swarm)]
+    cpu_ratios = [tokens_per_cpu_s(sw) / tokens_per_cpu_s(ce) for ce, sw in zip(frugal, swarm)]
+    f = sorted(frugal, key=tokens_per_cpu_s)[(len(frugal) - 1) // 2]
     samples = max(1, s["samples_completed"])
     swarm_cpu = s["_cpu"].between(*window(s))
     central_cpu = c["_cpu"].between(*window(c))
@@ -206,11 +209,15 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
         "swarm_tokens_per_s": round(s["tokens_per_s"], 1),
         "central_final_loss": c["final_loss"],
         "swarm_final_loss": s["final_loss"],
-        "central_tokens_per_cpu_s": round(tokens_per_cpu_s(c), 1),
+        "central_tokens_per_cpu_s": round(tokens_per_cpu_s(f), 1),
+        "central_cpu_threads": f["_threads"],
         "swarm_tokens_per_cpu_s": round(tokens_per_cpu_s(s), 1),
         "steps": s["steps"], "tokens": s["tokens"],
         "all_runs": {"central_tokens_per_s": [round(r["tokens_per_s"], 1) for r in central],
                      "central_threads": [r["_threads"] for r in central],
+                     "central_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in frugal],
+                     "central_cpu_threads": [r["_threads"] for r in frugal],
+                     "swarm_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in swarm],
                      "swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in swarm],
                      "ratios": [round(r, 3) for r in ratios],
                      "cpu_efficiency_ratios": [round(r, 3) for r in cpu_ratios]},
@@ -277,10 +284,12 @@ def main(argv=None) -> int:
         print(f"{'swarm':8} {r['swarm_tokens_per_s']:>10,.0f} {r['swarm_tokens_per_cpu_s']:>10,.0f} "
               f"{r['swarm_final_loss']:>11.4f}   {r['all_runs']['swarm_tokens_per_s']}")
         print(f"ratio swarm/central: tokens/s {r['ratio']:.2f} {r['all_runs']['ratios']}, "
-              f"CPU efficiency {r['cpu_efficiency_ratio']:.2f} {r['all_runs']['cpu_efficiency_ratios']}")
+              f"CPU efficiency {r['cpu_efficiency_ratio']:.2f} {r['all_runs']['cpu_efficiency_ratios']} "
+              f"(central at {r['central_cpu_threads']} thread(s))")
         prof = r["profile"]["swarm"]
-        print(f"swarm profile: {prof['proc_cpu_s']} CPU s (/proc) in {prof['elapsed_s']} s; nodes' CPU ms per sample: "
-              f"{prof['cpu_ms_per_sample']}; mean coalesced: {prof['mean_coalesced']}; peak RSS MB {prof['peak_rss_mb']}")
+        print(f"swarm profile: {prof['proc_cpu_s']} CPU s (/proc) in {prof['elapsed_s']} s; nodes' CPU ms per "
+              f"sample: {prof['cpu_ms_per_sample']}; mean coalesced: {prof['mean_coalesced']}; "
+              f"peak RSS MB {prof['peak_rss_mb']}")
         print(f"CPU ms per sample: central {r['profile']['central']['cpu_ms_per_sample']}, "
               f"swarm {prof['proc_cpu_ms_per_sample']}")
     return 0
