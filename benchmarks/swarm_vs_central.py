@@ -228,7 +228,8 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
             "swarm": {**swarm_profile(s), "proc_cpu_s": round(swarm_cpu, 2),
                       "proc_cpu_ms_per_sample": round(swarm_cpu / samples * 1000, 2),
                       "wall_ms_per_sample": round(s["elapsed_s"] / samples * 1000, 2),
-                      "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in s.get("workers", [])}},
+                      "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in s.get("workers", [])},
+                      "activation_cache": {w["stage"]: w.get("cache") for w in s.get("workers", []) if w.get("cache")}},
         },
         "swarm_stages": s["stages"],
     }
