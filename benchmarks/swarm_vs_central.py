@@ -22,6 +22,7 @@ loop), the window tokens/s counts. The swarm's profile (its nodes' own accounts)
     python benchmarks/swarm_vs_central.py                 # a table per shape
     python benchmarks/swarm_vs_central.py --json          # {"shapes": {"local-cpu.yaml": {...}, ...}}
     python benchmarks/swarm_vs_central.py --set workers.activation_cache_mb=0   # the stateless recompute
+    python benchmarks/swarm_vs_central.py --alt-set workers.activation_cache_mb=0  # both, paired in one run
     python benchmarks/swarm_vs_central.py --microbatch 1 --in-flight 16  # the report's single-sample requests
 """
 
@@ -170,6 +171,24 @@ def swarm_profile(report: dict) -> dict:
     }
 
 
+def alt_arm(sets: list[str], central: list[dict], frugal: list[dict], runs: list[dict]) -> dict:
+    """The second swarm arm (--alt-set) against the same central runs."""
+    a = median_run(runs)
+    return {
+        "sets": sets,
+        "ratio": round(statistics.median(r["tokens_per_s"] / c["tokens_per_s"] for c, r in zip(central, runs)), 3),
+        "cpu_efficiency_ratio": round(statistics.median(tokens_per_cpu_s(r) / tokens_per_cpu_s(c)
+                                                        for c, r in zip(frugal, runs)), 3),
+        "swarm_tokens_per_s": round(a["tokens_per_s"], 1),
+        "swarm_tokens_per_cpu_s": round(tokens_per_cpu_s(a), 1),
+        "swarm_final_loss": a["final_loss"],
+        "all_runs": {"swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs],
+                     "swarm_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in runs]},
+        "proc_cpu_ms_per_sample": round(a["_cpu"].between(*window(a)) / max(1, a["samples_completed"]) * 1000, 2),
+        "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in a.get("workers", [])},
+    }
+
+
 def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
     """Paired runs of one manifest: per repeat central at 1..N threads, then the swarm."""
     manifest = ROOT / "manifests" / name
@@ -180,7 +199,8 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
     sets = [a for s in data + [f"local.run_dir={tmp}/run-{name}", f"checkpoints.store={tmp}/store-{name}"]
             + overrides for a in ("--set", s)] + ["--fresh", "--force"]
     threads = list(range(1, (os.cpu_count() or 1) + 1)) if args.central_threads is None else [args.central_threads]
-    central, swarm, frugal = [], [], []  # per repeat: central's fastest run, the swarm's, central's frugalest
+    central, swarm, frugal, alt = [], [], [], []  # per repeat: central's fastest and frugalest runs, the swarms'
+    alt_sets = [a for s in args.alt_sets for a in ("--set", s)]
     for i in range(args.repeats):
         tries = []
         for n in threads:
@@ -191,9 +211,11 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
                   f"{tokens_per_cpu_s(r):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
         central.append(max(tries, key=lambda r: r["tokens_per_s"]))
         frugal.append(max(tries, key=tokens_per_cpu_s))
-        swarm.append(agoractl("launch", "swarm", str(manifest), *sets))
-        print(f"{name} swarm run {i + 1}: {swarm[-1]['tokens_per_s']:,.0f} tokens/s, "
-              f"{tokens_per_cpu_s(swarm[-1]):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
+        arms = [(swarm, "swarm", [])] + ([(alt, "swarm --alt-set", alt_sets)] if alt_sets else [])
+        for runs, label, extra in arms if i % 2 == 0 else arms[::-1]:  # the arms' order alternates too
+            runs.append(agoractl("launch", "swarm", str(manifest), *sets, *extra))
+            print(f"{name} {label} run {i + 1}: {runs[-1]['tokens_per_s']:,.0f} tokens/s, "
+                  f"{tokens_per_cpu_s(runs[-1]):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
     c, s = median_run(central), median_run(swarm)
     ratios = [sw["tokens_per_s"] / ce["tokens_per_s"] for ce, sw in zip(central, swarm)]
     cpu_ratios = [tokens_per_cpu_s(sw) / tokens_per_cpu_s(ce) for ce, sw in zip(frugal, swarm)]
@@ -232,6 +254,7 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
                       "activation_cache": {w["stage"]: w.get("cache") for w in s.get("workers", []) if w.get("cache")}},
         },
         "swarm_stages": s["stages"],
+        **({"alt": alt_arm(args.alt_sets, central, frugal, alt)} if alt else {}),
     }
 
 
@@ -251,6 +274,9 @@ def main(argv=None) -> int:
                     help="Requests each trainer keeps in flight (trainers.in_flight). With 2 trainers, 8 x 1 keeps "
                          "16 samples (one global batch) in flight, as 4 x 2 does; more in flight trains on staler "
                          "weights.")
+    ap.add_argument("--alt-set", dest="alt_sets", action="append", default=[],
+                    help="A second swarm arm in every repeat with this override too (repeatable), reported under "
+                         "`alt` against the same central runs, e.g. workers.activation_cache_mb=0.")
     ap.add_argument("--central-threads", type=int, default=None,
                     help="Only this torch thread count for central (default: its best of 1..cores).")
     ap.add_argument("--repeats", type=int, default=3,
@@ -293,6 +319,11 @@ def main(argv=None) -> int:
               f"peak RSS MB {prof['peak_rss_mb']}")
         print(f"CPU ms per sample: central {r['profile']['central']['cpu_ms_per_sample']}, "
               f"swarm {prof['proc_cpu_ms_per_sample']}")
+        if "alt" in r:
+            a = r["alt"]
+            print(f"swarm with {' '.join(a['sets'])}: {a['swarm_tokens_per_s']:,.0f} tokens/s "
+                  f"{a['all_runs']['swarm_tokens_per_s']}, ratio {a['ratio']:.2f}, CPU efficiency "
+                  f"{a['cpu_efficiency_ratio']:.2f}, CPU ms per sample {a['proc_cpu_ms_per_sample']}")
     return 0
 
 
