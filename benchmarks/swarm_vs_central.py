@@ -1,54 +1,139 @@
-"""Swarm against centralized throughput: ``launch swarm`` and ``launch central`` on the same tokens, on
-this machine, one after the other in the same run (report §5.4: the Pluralis-8B run reached 63% of a
+"""Swarm against centralized training on equal hardware: ``launch swarm`` and ``launch central`` on the
+same tokens, on this machine, in the same run (report §5.4: the Pluralis-8B run reached 63% of a
 centralized baseline's efficiency, over the internet).
 
-Both train ``manifests/local-cpu.yaml`` (plus any ``--set``) for the same steps of the same global
-batch on the same sample corpus, which the script generates and shards into a temporary directory
-first. The swarm's trainers send ``--microbatch`` samples per request with ``--in-flight`` requests each
-in flight (default 8 x 1, the centralized reference's micro-batch; see their help). Each is
-run ``--repeats`` times, alternating (central, swarm, central, ...), because these machines are shared
-and noisy: a machine's speed drifts over minutes, so each swarm run is compared with the central run
-just before it, and ``ratio`` is the median of those paired ratios (``central_tokens_per_s`` and
-``swarm_tokens_per_s`` are the medians of each side). ``tokens_per_s`` is each report's own (§5.4.0.1:
-tokens of the completed steps over the training time, start-up excluded on both sides).
+Two shapes, each trained for the same steps of the same global batch on the same generated sample corpus:
+``manifests/local-cpu.yaml`` (the tiny demo model, where a request's fixed cost dominates) and
+``manifests/bench-cpu.yaml`` (d_model 256, compute-bound). Per shape and repeat, central runs once per
+torch thread count 1..N (N = this machine's cores, the cores the swarm's processes share) and the best
+of those counts is its equal-hardware figure; then the swarm runs. ``ratio`` is the median over repeats
+of swarm/central tokens/s of each pair (a machine's speed drifts over minutes, so each swarm run is
+compared with the central runs just before it); ``central_threads`` is the thread count of the median
+central run. ``tokens_per_s`` is each report's own (§5.4.0.1: tokens of the completed steps over the
+training time, start-up excluded on both sides).
 
-The swarm's profile says where its time goes: CPU seconds during training of the workers' Python
-(compute, request handling), of their DHT processes and p2pd daemons, and of the trainers, per
-sample, beside the centralized reference's CPU per sample and the wall time per sample of both.
+``cpu_efficiency_ratio`` is tokens per CPU-second, swarm over central's best over its thread counts
+(fewer threads waste less CPU: usually 1, ``central_cpu_threads``; median of the pairs): the CPU
+seconds are read from ``/proc`` every 0.2 s for every process of each run's process groups (the swarm's
+launcher, workers, trainers, their DHT processes and p2pd daemons; the central process), and counted over
+the training window only (from the first dispatch to the last stage's last step; central: its training
+loop), the window tokens/s counts. The swarm's profile (its nodes' own accounts) says where its CPU goes.
 
-    python benchmarks/swarm_vs_central.py                 # a table
-    python benchmarks/swarm_vs_central.py --json          # JSON on stdout
+    python benchmarks/swarm_vs_central.py                 # a table per shape
+    python benchmarks/swarm_vs_central.py --json          # {"shapes": {"local-cpu.yaml": {...}, ...}}
+    python benchmarks/swarm_vs_central.py --set workers.activation_cache_mb=0   # the stateless recompute
+    python benchmarks/swarm_vs_central.py --alt-set workers.activation_cache_mb=0  # both, paired in one run
     python benchmarks/swarm_vs_central.py --microbatch 1 --in-flight 16  # the report's single-sample requests
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
+SHAPES = ("local-cpu.yaml", "bench-cpu.yaml")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+class GroupCPU:
+    """CPU seconds over time of every process in a launched process's groups: its own (it leads one) and
+    that of each of its children (swarm nodes lead theirs), children of those included; polled from /proc.
+    A process's last reading stands after it exits."""
+
+    def __init__(self, leader: int, period: float = 0.2):
+        self.leader, self.period = leader, period
+        self.last: dict[tuple[int, int], float] = {}  # (pid, start time) -> CPU seconds
+        self.timeline: list[tuple[float, float]] = []  # (wall time, CPU seconds of every process so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _stats() -> list[tuple[int, int, int, int, float]]:
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    raw = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0]
+            out.append((int(entry), int(fields[1]), int(fields[2]), int(fields[19]),
+                        (int(fields[11]) + int(fields[12])) / TICK))
+        return out
+
+    def sample(self) -> None:
+        procs = self._stats()
+        groups = {self.leader} | {pgrp for pid, ppid, pgrp, _, _ in procs if ppid == self.leader}
+        for pid, _, pgrp, start, cpu in procs:
+            if pgrp in groups:
+                self.last[(pid, start)] = cpu
+        self.timeline.append((time.time(), sum(self.last.values())))
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> float:
+        """CPU seconds of the groups at wall time `t`, interpolated between readings."""
+        times = [p[0] for p in self.timeline]
+        i = bisect.bisect_left(times, t)
+        if i == 0:
+            return self.timeline[0][1]
+        if i >= len(times):
+            return self.timeline[-1][1]
+        (t0, c0), (t1, c1) = self.timeline[i - 1], self.timeline[i]
+        return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
+
+    def between(self, a: float, b: float) -> float:
+        return self.at(b) - self.at(a)
 
 
 def agoractl(*args: str, timeout: float = 1800) -> dict:
-    """Run an agoractl command with --json; returns its JSON output, with its CPU seconds (children)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-m", "agoractl", *args, "--json"], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run an agoractl command with --json in its own process group; its JSON output, with ``_cpu``
+    (the :class:`GroupCPU` of the run)."""
+    proc = subprocess.Popen([sys.executable, "-m", "agoractl", *args, "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    cpu = GroupCPU(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        cpu.stop()
     if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-3000:])
+        sys.stderr.write(err[-3000:])
         raise SystemExit(f"agoractl {' '.join(args[:2])} failed with exit code {proc.returncode}")
-    out = json.loads(proc.stdout)
-    out["_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return out
+    report = json.loads(out)
+    report["_cpu"] = cpu
+    return report
+
+
+def window(report: dict) -> tuple[float, float]:
+    """The training window (wall times) that tokens_per_s counts."""
+    if report["mode"] == "central":
+        start = report["started_at"]
+    else:
+        start = min(t["first_dispatch"] for t in report["trainers"] if t.get("first_dispatch"))
+    return start, start + report["elapsed_s"]
+
+
+def tokens_per_cpu_s(report: dict) -> float:
+    return report["tokens"] / max(report["_cpu"].between(*window(report)), 1e-9)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -86,13 +171,102 @@ def swarm_profile(report: dict) -> dict:
     }
 
 
+def alt_arm(sets: list[str], central: list[dict], frugal: list[dict], runs: list[dict]) -> dict:
+    """The second swarm arm (--alt-set) against the same central runs."""
+    a = median_run(runs)
+    return {
+        "sets": sets,
+        "ratio": round(statistics.median(r["tokens_per_s"] / c["tokens_per_s"] for c, r in zip(central, runs)), 3),
+        "cpu_efficiency_ratio": round(statistics.median(tokens_per_cpu_s(r) / tokens_per_cpu_s(c)
+                                                        for c, r in zip(frugal, runs)), 3),
+        "swarm_tokens_per_s": round(a["tokens_per_s"], 1),
+        "swarm_tokens_per_cpu_s": round(tokens_per_cpu_s(a), 1),
+        "swarm_final_loss": a["final_loss"],
+        "all_runs": {"swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs],
+                     "swarm_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in runs]},
+        "proc_cpu_ms_per_sample": round(a["_cpu"].between(*window(a)) / max(1, a["samples_completed"]) * 1000, 2),
+        "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in a.get("workers", [])},
+    }
+
+
+def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
+    """Paired runs of one manifest: per repeat central at 1..N threads, then the swarm."""
+    manifest = ROOT / "manifests" / name
+    data = [f"data.source={tmp}/sample/*.parquet", f"data.output={tmp}/shards-{name}", "data.num_shards=4"]
+    agoractl("shard", str(manifest), *[a for s in data for a in ("--set", s)])
+    # Every artefact stays in the temporary directory (the store too); each run starts over (--fresh
+    # --force: the previous run's checkpoints are moved aside, not resumed).
+    sets = [a for s in data + [f"local.run_dir={tmp}/run-{name}", f"checkpoints.store={tmp}/store-{name}"]
+            + overrides for a in ("--set", s)] + ["--fresh", "--force"]
+    threads = list(range(1, (os.cpu_count() or 1) + 1)) if args.central_threads is None else [args.central_threads]
+    central, swarm, frugal, alt = [], [], [], []  # per repeat: central's fastest and frugalest runs, the swarms'
+    alt_sets = [a for s in args.alt_sets for a in ("--set", s)]
+    for i in range(args.repeats):
+        tries = []
+        for n in threads:
+            r = agoractl("launch", "central", str(manifest), *sets, "--threads", str(n))
+            r["_threads"] = n
+            tries.append(r)
+            print(f"{name} central run {i + 1}, {n} thread(s): {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"{tokens_per_cpu_s(r):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
+        central.append(max(tries, key=lambda r: r["tokens_per_s"]))
+        frugal.append(max(tries, key=tokens_per_cpu_s))
+        arms = [(swarm, "swarm", [])] + ([(alt, "swarm --alt-set", alt_sets)] if alt_sets else [])
+        for runs, label, extra in arms if i % 2 == 0 else arms[::-1]:  # the arms' order alternates too
+            runs.append(agoractl("launch", "swarm", str(manifest), *sets, *extra))
+            print(f"{name} {label} run {i + 1}: {runs[-1]['tokens_per_s']:,.0f} tokens/s, "
+                  f"{tokens_per_cpu_s(runs[-1]):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
+    c, s = median_run(central), median_run(swarm)
+    ratios = [sw["tokens_per_s"] / ce["tokens_per_s"] for ce, sw in zip(central, swarm)]
+    cpu_ratios = [tokens_per_cpu_s(sw) / tokens_per_cpu_s(ce) for ce, sw in zip(frugal, swarm)]
+    f = sorted(frugal, key=tokens_per_cpu_s)[(len(frugal) - 1) // 2]
+    samples = max(1, s["samples_completed"])
+    swarm_cpu = s["_cpu"].between(*window(s))
+    central_cpu = c["_cpu"].between(*window(c))
+    return {
+        "ratio": round(statistics.median(ratios), 3),
+        "cpu_efficiency_ratio": round(statistics.median(cpu_ratios), 3),
+        "central_threads": c["_threads"],
+        "central_tokens_per_s": round(c["tokens_per_s"], 1),
+        "swarm_tokens_per_s": round(s["tokens_per_s"], 1),
+        "central_final_loss": c["final_loss"],
+        "swarm_final_loss": s["final_loss"],
+        "central_tokens_per_cpu_s": round(tokens_per_cpu_s(f), 1),
+        "central_cpu_threads": f["_threads"],
+        "swarm_tokens_per_cpu_s": round(tokens_per_cpu_s(s), 1),
+        "steps": s["steps"], "tokens": s["tokens"],
+        "all_runs": {"central_tokens_per_s": [round(r["tokens_per_s"], 1) for r in central],
+                     "central_threads": [r["_threads"] for r in central],
+                     "central_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in frugal],
+                     "central_cpu_threads": [r["_threads"] for r in frugal],
+                     "swarm_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in swarm],
+                     "swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in swarm],
+                     "ratios": [round(r, 3) for r in ratios],
+                     "cpu_efficiency_ratios": [round(r, 3) for r in cpu_ratios]},
+        "profile": {
+            "central": {"elapsed_s": c["elapsed_s"], "cpu_s": round(central_cpu, 2),
+                        "wall_ms_per_sample": round(c["elapsed_s"] / (c["steps"] * c["global_batch_size"]) * 1000, 2),
+                        "cpu_ms_per_sample": round(central_cpu / (c["steps"] * c["global_batch_size"]) * 1000, 2)},
+            "swarm": {**swarm_profile(s), "proc_cpu_s": round(swarm_cpu, 2),
+                      "proc_cpu_ms_per_sample": round(swarm_cpu / samples * 1000, 2),
+                      "wall_ms_per_sample": round(s["elapsed_s"] / samples * 1000, 2),
+                      "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in s.get("workers", [])},
+                      "activation_cache": {w["stage"]: w.get("cache") for w in s.get("workers", []) if w.get("cache")}},
+        },
+        "swarm_stages": s["stages"],
+        **({"alt": alt_arm(args.alt_sets, central, frugal, alt)} if alt else {}),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", dest="sets", action="append", default=[],
-                    help="Manifest override for both runs (repeatable), e.g. training.max_steps=30.")
+                    help="Manifest override for every run (repeatable), e.g. workers.activation_cache_mb=0.")
+    ap.add_argument("--shape", dest="shapes", action="append", choices=SHAPES,
+                    help="Manifest(s) to run (repeatable); default both.")
     ap.add_argument("--microbatch", type=int, default=8,
                     help="Samples per trainer request in the swarm (trainers.microbatch). The report sends 1 and "
-                         "lets workers coalesce; on this tiny model per-request overhead (libp2p, two p2pd hops, "
+                         "lets workers coalesce; on these small models per-request overhead (libp2p, two p2pd hops, "
                          "each costing CPU per call and per byte) outweighs compute, so the default is the "
                          "centralized reference's own micro-batch (workers.max_microbatch, 8). Pass 1 for the "
                          "report's request shape.")
@@ -100,72 +274,56 @@ def main(argv=None) -> int:
                     help="Requests each trainer keeps in flight (trainers.in_flight). With 2 trainers, 8 x 1 keeps "
                          "16 samples (one global batch) in flight, as 4 x 2 does; more in flight trains on staler "
                          "weights.")
+    ap.add_argument("--alt-set", dest="alt_sets", action="append", default=[],
+                    help="A second swarm arm in every repeat with this override too (repeatable), reported under "
+                         "`alt` against the same central runs, e.g. workers.activation_cache_mb=0.")
+    ap.add_argument("--central-threads", type=int, default=None,
+                    help="Only this torch thread count for central (default: its best of 1..cores).")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="Runs of each, alternating; the median of the paired ratios counts.")
+                    help="Paired runs per shape; the medians count.")
     ap.add_argument("--rows", type=int, default=4000, help="Documents in the generated sample corpus.")
     ap.add_argument("--json", action="store_true", help="Print one JSON object on stdout.")
     args = ap.parse_args(argv)
+    overrides = [f"trainers.microbatch={args.microbatch}", f"trainers.in_flight={args.in_flight}"] + args.sets
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="swarm-vs-central-") as tmp:
-        data = [f"data.source={tmp}/sample/*.parquet", f"data.output={tmp}/shards", "data.num_shards=4"]
         agoractl("data", "sample", "--out", f"{tmp}/sample", "--rows", str(args.rows), "--files", "2")
-        agoractl("shard", str(MANIFEST), *[a for s in data for a in ("--set", s)])
-        overrides = [f"trainers.microbatch={args.microbatch}", f"trainers.in_flight={args.in_flight}"] + args.sets
-        # Every artefact stays in the temporary directory (the store too); each run starts over (--fresh
-        # --force: the previous run's checkpoints are moved aside, not resumed).
-        sets = [a for s in data + [f"local.run_dir={tmp}/run", f"checkpoints.store={tmp}/store"] + overrides
-                for a in ("--set", s)] + ["--fresh", "--force"]
-        # The central reference's CPU per training step: a full run minus a one-step run (start-up, imports).
-        one_step = agoractl("launch", "central", str(MANIFEST), *sets, "--set", "training.max_steps=1",
-                            "--set", "training.schedule.warmup_steps=0")
-        central, swarm = [], []
-        for i in range(args.repeats):
-            central.append(agoractl("launch", "central", str(MANIFEST), *sets))
-            print(f"central run {i + 1}: {central[-1]['tokens_per_s']:,.0f} tokens/s", file=sys.stderr, flush=True)
-            swarm.append(agoractl("launch", "swarm", str(MANIFEST), *sets))
-            print(f"swarm run {i + 1}: {swarm[-1]['tokens_per_s']:,.0f} tokens/s", file=sys.stderr, flush=True)
-    pairs = [sw["tokens_per_s"] / ce["tokens_per_s"] for ce, sw in zip(central, swarm)]
-    c = median_run(central)
-    s = median_run(swarm)
-    central_samples = (c["steps"] - 1) * c["global_batch_size"]
-    central_cpu_ms = min((r["_cpu_s"] - one_step["_cpu_s"]) for r in central) / max(1, central_samples) * 1000
+        shapes = {name: run_shape(name, tmp, args, overrides) for name in (args.shapes or SHAPES)}
     result = {
-        "manifest": str(MANIFEST.relative_to(ROOT)),
         "overrides": overrides,
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)},
-        "steps": s["steps"], "tokens": s["tokens"],
-        "central_tokens_per_s": round(c["tokens_per_s"], 1),
-        "swarm_tokens_per_s": round(s["tokens_per_s"], 1),
-        "ratio": round(statistics.median(pairs), 3),
-        "central_final_loss": c["final_loss"],
-        "swarm_final_loss": s["final_loss"],
-        "all_runs": {"central_tokens_per_s": [round(r["tokens_per_s"], 1) for r in central],
-                     "swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in swarm],
-                     "ratios": [round(r, 3) for r in pairs]},
-        "profile": {
-            "central": {"elapsed_s": c["elapsed_s"], "wall_ms_per_sample":
-                        round(c["elapsed_s"] / (c["steps"] * c["global_batch_size"]) * 1000, 2),
-                        "cpu_ms_per_sample": round(central_cpu_ms, 2),
-                        "threads": "local.threads_per_process"},
-            "swarm": {**swarm_profile(s), "wall_ms_per_sample":
-                      round(s["elapsed_s"] / max(1, s["samples_completed"]) * 1000, 2)},
-        },
-        "swarm_stages": s["stages"],
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m_before": round(load_before, 2),
+                    "load_avg_1m_after": round(os.getloadavg()[0], 2)},
+        "central_threads_tried": "one" if args.central_threads else f"1..{os.cpu_count()} (best of)",
+        "shapes": shapes,
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['manifest']} {' '.join(overrides)}: {result['steps']} steps, {result['tokens']:,} tokens, "
-          f"{result['machine']['cpus']} CPUs (load {result['machine']['load_avg_1m']})")
-    print(f"{'':10} {'tokens/s':>10} {'final loss':>11}   runs")
-    print(f"{'central':10} {c['tokens_per_s']:>10,.0f} {c['final_loss']:>11.4f}   {result['all_runs']['central_tokens_per_s']}")
-    print(f"{'swarm':10} {s['tokens_per_s']:>10,.0f} {s['final_loss']:>11.4f}   {result['all_runs']['swarm_tokens_per_s']}")
-    print(f"ratio swarm/central: {result['ratio']:.2f} (median of the paired runs' {result['all_runs']['ratios']})")
-    prof = result["profile"]["swarm"]
-    print(f"swarm profile: {prof['cpu_s']} CPU s in {prof['elapsed_s']} s ({prof['cores_busy']} cores busy); "
-          f"CPU ms per sample: {prof['cpu_ms_per_sample']}; mean coalesced: {prof['mean_coalesced']}")
-    print(f"wall ms per sample: central {result['profile']['central']['wall_ms_per_sample']}, "
-          f"swarm {prof['wall_ms_per_sample']}; CPU ms per sample: central "
-          f"{result['profile']['central']['cpu_ms_per_sample']}, swarm {round(prof['cpu_s'] / prof['samples'] * 1000, 2)}")
+    m = result["machine"]
+    print(f"{' '.join(overrides)}; {m['cpus']} CPUs (load {m['load_avg_1m_before']} -> {m['load_avg_1m_after']}); "
+          f"central: best of {result['central_threads_tried']} threads")
+    for name, r in shapes.items():
+        print(f"\n{name}: {r['steps']} steps, {r['tokens']:,} tokens")
+        print(f"{'':8} {'tokens/s':>10} {'tok/CPU-s':>10} {'final loss':>11}   runs")
+        print(f"{'central':8} {r['central_tokens_per_s']:>10,.0f} {r['central_tokens_per_cpu_s']:>10,.0f} "
+              f"{r['central_final_loss']:>11.4f}   {r['all_runs']['central_tokens_per_s']} "
+              f"threads {r['all_runs']['central_threads']}")
+        print(f"{'swarm':8} {r['swarm_tokens_per_s']:>10,.0f} {r['swarm_tokens_per_cpu_s']:>10,.0f} "
+              f"{r['swarm_final_loss']:>11.4f}   {r['all_runs']['swarm_tokens_per_s']}")
+        print(f"ratio swarm/central: tokens/s {r['ratio']:.2f} {r['all_runs']['ratios']}, "
+              f"CPU efficiency {r['cpu_efficiency_ratio']:.2f} {r['all_runs']['cpu_efficiency_ratios']} "
+              f"(central at {r['central_cpu_threads']} thread(s))")
+        prof = r["profile"]["swarm"]
+        print(f"swarm profile: {prof['proc_cpu_s']} CPU s (/proc) in {prof['elapsed_s']} s; nodes' CPU ms per "
+              f"sample: {prof['cpu_ms_per_sample']}; mean coalesced: {prof['mean_coalesced']}; "
+              f"peak RSS MB {prof['peak_rss_mb']}")
+        print(f"CPU ms per sample: central {r['profile']['central']['cpu_ms_per_sample']}, "
+              f"swarm {prof['proc_cpu_ms_per_sample']}")
+        if "alt" in r:
+            a = r["alt"]
+            print(f"swarm with {' '.join(a['sets'])}: {a['swarm_tokens_per_s']:,.0f} tokens/s "
+                  f"{a['all_runs']['swarm_tokens_per_s']}, ratio {a['ratio']:.2f}, CPU efficiency "
+                  f"{a['cpu_efficiency_ratio']:.2f}, CPU ms per sample {a['proc_cpu_ms_per_sample']}")
     return 0
 
 

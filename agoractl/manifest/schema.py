@@ -247,6 +247,10 @@ class Workers(Section):
     """Seconds between DHT re-announcements; records expire after 3 periods."""
     wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Dtype of activations and activation gradients crossing stage boundaries (SSN coordinates)."""
+    activation_cache_mb: float = Field(256.0, ge=0)
+    """MiB of forward activations (autograd graphs) a head or body worker keeps so that the backward of the
+    same samples skips the recompute; oldest evicted first. 0: stateless, every backward recomputes (§3.3.1.4).
+    A backward that lands on another replica, or after the weights changed, recomputes either way."""
     self_termination: SelfTermination = SelfTermination()
 
 

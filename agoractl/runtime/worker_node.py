@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import resource
 import threading
 import time
 from typing import Optional, Sequence
@@ -384,6 +385,7 @@ class WorkerNode:
             final = self.final_stats()
             final.cpu_s, final.cpu_at_ready_s = node.cpu_seconds(), self.cpu_at_ready
             final.cpu_at_first_request_s = self.cpu_at_first_request
+            final.peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
             stats = final.to_dict()
             node.write_stats(self.stats_path, stats)
             node.shutdown_dht(self.dht)

@@ -112,7 +112,7 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
     norms: list[list] = []
     step = first = central.step_index = resume.apply_to(model, optimizer) if resume is not None else 0
     last = min(t.max_steps, until or t.max_steps)
-    start = time.monotonic()
+    started_at, start = time.time(), time.monotonic()
     for batch in batches(samples, batch_size):
         step_loss, lr, step_norms = central.step(batch)
         losses.append([step, step_loss])
@@ -134,7 +134,7 @@ def train_central(run: Run, samples: Iterator[torch.Tensor], device: torch.devic
     trainable, _ = count_module(model)
     return run_report(
         mode="central", name=run.metadata.name, steps=step - first, tokens=(step - first) * batch_size * seq_len,
-        elapsed_s=elapsed, loss=losses,
+        elapsed_s=elapsed, loss=losses, started_at=started_at,
         device=str(central.device), precision=t.precision, params=trainable, global_batch_size=batch_size,
         microbatch=central.micro, seq_len=seq_len, max_steps=t.max_steps, completed=step >= last,
         start_step=first, end_step=step,

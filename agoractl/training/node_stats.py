@@ -60,6 +60,8 @@ class WorkerStats:
     """[step, wall time, samples contributed, grad norm before clipping] per optimizer step taken."""
     first_request: Optional[float] = None
     """Wall-clock time of the first request served."""
+    cache: Optional[dict] = None
+    """The activation cache's counters (hits, misses, evicted, stale, peak_mb, limit_mb); None when off."""
 
 
 @dataclass
@@ -92,6 +94,8 @@ class WorkerNodeStats(WorkerStats):
     cpu_s: Optional[dict] = None
     cpu_at_ready_s: Optional[dict] = None
     cpu_at_first_request_s: Optional[dict] = None
+    peak_rss_mb: Optional[float] = None
+    """The worker process's peak resident memory (its DHT process and p2pd not included)."""
     resumed: Optional[dict] = None
     """What the worker resumed from (a checkpoint or a peer's state), if it did."""
     admission: Optional[dict] = field(default=None, metadata=DETAIL)

@@ -3,9 +3,11 @@
 Requests land on a forward or a backward queue; the compute loop serves the queue holding the
 oldest request and **coalesces** the queued requests of that kind (and shape) up to
 ``workers.max_microbatch`` samples, runs them as one batch and splits the results back (§3.3.1.3).
-The worker is stateless between requests: a backward recomputes the stage's forward to rebuild the
-autograd graph (§3.3.1.4); the tail's fused ``forward_backward`` computes forward, loss and
-backward in one pass and saves that recompute.
+The stateless path (§3.3.1.4): a backward recomputes the stage's forward to rebuild the autograd graph.
+With ``workers.activation_cache_mb`` > 0 the worker keeps its recent forwards' graphs
+(:mod:`agoractl.training.activation_cache`, bounded, oldest evicted) and a backward of the same samples
+uses them instead; evicted, partial, stale or unknown samples take the recompute. The tail's fused
+``forward_backward`` computes forward, loss and backward in one pass and saves that recompute.
 
 Parameter gradients accumulate (each sample's loss unscaled) until the stage has **collectively**
 seen ``training.global_batch_size`` samples (:class:`~agoractl.algorithms.progress.StageProgress`, fed
@@ -38,6 +40,7 @@ from agoractl.model.build import build_stage
 from agoractl.algorithms.optim import lr_at, make_optimizer, optimizer_step
 from agoractl.algorithms.progress import StageProgress
 from agoractl.algorithms.validation import request_problem
+from agoractl.training.activation_cache import ActivationCache, Entry, SavedBytes, param_version, request_key
 from agoractl.training.fault_drill import corrupt_results
 from agoractl.training.node_stats import WorkerStats
 
@@ -95,6 +98,10 @@ class Worker:
         self.fault: Optional[str] = None
         """A fault drill (:mod:`agoractl.training.fault_drill`): this worker's outputs are made wrong on purpose."""
         self.stats = WorkerStats()
+        cache_mb = run.workers.activation_cache_mb
+        self.cache: Optional[ActivationCache] = (
+            ActivationCache(int(cache_mb * 2**20)) if cache_mb > 0 and self.role_in_pipeline != "tail" else None)
+        """Forward graphs kept for the backward (None: the stateless recompute; the tail never needs it)."""
         self.throughput = 0.0
         """Samples per second of compute (exponential moving average)."""
         self.step_callbacks: list[Callable[[int, "Worker"], None]] = []
@@ -224,7 +231,7 @@ class Worker:
         n = sum(sizes)
         t0 = time.monotonic()
         try:
-            with torch.enable_grad() if method != "forward" else torch.no_grad():
+            with torch.enable_grad() if method != "forward" or self.cache is not None else torch.no_grad():
                 results = getattr(self, f"_{method}")(batch, sizes)
                 if self.fault is not None:
                     corrupt_results(self.fault, method, results, self.params, sum(self.stats.batches.values()))
@@ -243,6 +250,8 @@ class Worker:
         self.stats.coalesced_sum += n
         rate = n / max(elapsed, 1e-6)
         self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
+        if self.cache is not None:
+            self.stats.cache = self.cache.summary()
         if method == "forward":
             self.stats.forward_samples += n
         else:
@@ -272,19 +281,44 @@ class Worker:
         return [to_wire(part, self.wire_dtype) for part in t.split(sizes)]
 
     def _forward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
-        wire, ids = self._inputs(batch, grad=False)
-        out = self.module(wire, ids[:, :-1])
-        return [{"wire": w} for w in self._split(out, sizes)]
+        if self.cache is None:
+            wire, ids = self._inputs(batch, grad=False)
+            out = self.module(wire, ids[:, :-1])
+            return [{"wire": w} for w in self._split(out, sizes)]
+        wire, ids = self._inputs(batch, grad=True)
+        with SavedBytes(self.params) as saved:  # what the graph keeps alive: the cache's accounting
+            out = self.module(wire, ids[:, :-1])
+        saved.add(wire, out, ids)
+        self.cache.store(Entry([request_key(t.ids, t.wire) for t in batch], sizes, out, wire,
+                               param_version(self.params), saved.nbytes))
+        return [{"wire": w} for w in self._split(out.detach(), sizes)]
 
     def _backward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
-        wire, ids = self._inputs(batch, grad=True)
-        grad = torch.cat([from_wire(t.grad, self.device) for t in batch])
-        out = self.module(wire, ids[:, :-1])  # the recompute: stateless workers keep no activations
-        if grad.shape != out.shape:
-            raise ValueError(f"output gradient shape {tuple(grad.shape)} does not match the output {tuple(out.shape)}")
-        out.backward(grad)
-        grads = self._split(None if wire is None else wire.grad, sizes)
-        return [{"grad": g} if g is not None else {} for g in grads]
+        if self.cache is None:
+            hits, misses = [], list(range(len(batch)))
+        else:
+            hits, misses = self.cache.take([request_key(t.ids, t.wire) for t in batch], param_version(self.params))
+        grads = [from_wire(t.grad, self.device) for t in batch]
+        outputs, parts = [], []  # (stage input, positions in `batch`) of each graph the backward runs through
+        for entry, positions in hits:
+            outputs.append(entry.output)
+            parts.append((entry.input, positions))
+        if misses:
+            wire, ids = self._inputs([batch[p] for p in misses], grad=True)
+            outputs.append(self.module(wire, ids[:, :-1]))  # the recompute: the stateless path
+            parts.append((wire, misses))
+        out_grads = [torch.cat([grads[p] for p in positions]) for _, positions in parts]
+        for g, out in zip(out_grads, outputs):
+            if g.shape != out.shape:
+                raise ValueError(f"output gradient shape {tuple(g.shape)} does not match the output "
+                                 f"{tuple(out.shape)}")
+        torch.autograd.backward(outputs, out_grads)
+        results: list[dict] = [{} for _ in batch]
+        for wire, positions in parts:
+            if wire is not None:
+                for p, g in zip(positions, self._split(wire.grad, [sizes[p] for p in positions])):
+                    results[p] = {"grad": g}
+        return results
 
     def _forward_backward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
         wire, ids = self._inputs(batch, grad=True)
@@ -322,6 +356,8 @@ class Worker:
             self.optimizer.zero_grad(set_to_none=True)
             for p in self.params:
                 p.grad = None
+        if self.cache is not None:
+            self.cache.clear()  # every kept graph is of the old weights now
         self.progress.advance()
         self.progress_changed.set()
         self.stats.steps.append([step, time.time(), contributed, norm])

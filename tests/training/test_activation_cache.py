@@ -1,0 +1,156 @@
+"""The worker's activation cache (agoractl.training.activation_cache): a pure pipeline of in-process
+workers trains to the same losses with it on and off, evictions and backwards landing on another
+replica fall back to the recompute and still complete every sample, and the cache's accounting stays
+within workers.activation_cache_mb."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agoractl.training.activation_cache import ActivationCache, Entry
+from agoractl.training.worker import Worker
+from tests.training.test_worker import samples, small_run, submit
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one torch thread is fastest, and steadier on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def stateless() -> tuple[list, list]:
+    """The cache-off run every cache-on run must match."""
+    return pipeline(0)
+
+
+def drain(w: Worker, boxes) -> list[dict]:
+    while not all(b.done for b in boxes):
+        w.run_once(0.01)
+    for b in boxes:
+        if b.error is not None:
+            raise b.error
+    return [b.result for b in boxes]
+
+
+def pipeline(cache_mb: float, steps: int = STEPS, evict_at: int = -1) -> tuple[list, list]:
+    """Train `steps` steps of 4 samples, sent as 2 requests of 2 that each worker coalesces: the losses per
+    request and the workers. `evict_at`: the step at which every cache is emptied between forward and
+    backward."""
+    run = small_run(f"workers.activation_cache_mb={cache_mb}", f"training.max_steps={steps}")
+    head, body, tail = Worker(run, 0), Worker(run, 1), Worker(run, 2)
+    data = samples(4 * steps, seed=3)
+    losses = []
+    for step in range(steps):
+        reqs = list(data[4 * step:4 * step + 4].split(2))
+        w1 = [r["wire"] for r in drain(head, [submit(head, "forward", ids) for ids in reqs])]
+        w2 = [r["wire"] for r in drain(body, [submit(body, "forward", ids, w) for ids, w in zip(reqs, w1)])]
+        outs = drain(tail, [submit(tail, "forward_backward", ids, w) for ids, w in zip(reqs, w2)])
+        losses += [o["loss"].tolist() for o in outs]
+        if step == evict_at:
+            for w in (head, body):
+                w.cache.clear()
+        g1 = [r["grad"] for r in drain(body, [submit(body, "backward", ids, w, o["grad"])
+                                              for ids, w, o in zip(reqs, w1, outs)])]
+        assert all(g.shape == w.shape for g, w in zip(g1, w1))
+        drain(head, [submit(head, "backward", ids, None, g) for ids, g in zip(reqs, g1)])
+        for w in (head, body, tail):
+            w.maybe_step()
+    return losses, [head, body, tail]
+
+
+def assert_same_losses(a: list, b: list) -> None:
+    assert len(a) == len(b) == 2 * STEPS
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
+
+
+def test_cache_on_and_off_train_to_the_same_losses_and_the_cache_serves_the_backwards(stateless):
+    off, workers_off = stateless
+    on, workers_on = pipeline(64)
+    assert_same_losses(off, on)
+    head, body = workers_on[0], workers_on[1]
+    assert workers_off[0].cache is None and workers_on[2].cache is None  # the tail fuses its own backward
+    for w in (head, body):
+        assert w.progress.step == STEPS
+        assert w.cache.stats.hits == 2 * STEPS and w.cache.stats.misses == 0, w.cache.summary()
+        assert len(w.cache) == 0  # every entry left with its backward
+    for a, b in zip(workers_off, workers_on):
+        for p, q in zip(a.params, b.params):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_evicted_mid_run_every_sample_still_completes_by_the_recompute(stateless):
+    off, _ = stateless
+    on, workers = pipeline(64, evict_at=STEPS // 2)
+    assert_same_losses(off, on)
+    head = workers[0]
+    assert head.cache.stats.misses == 2 and head.cache.stats.hits == 2 * (STEPS - 1)
+    assert head.stats.backward_samples == 4 * STEPS
+
+
+def test_a_bound_smaller_than_one_forward_keeps_nothing_and_still_trains_alike(stateless):
+    off, _ = stateless
+    on, workers = pipeline(0.001)  # 1 KiB: no forward graph fits
+    assert_same_losses(off, on)
+    assert workers[1].cache.stats.hits == 0 and workers[1].cache.stats.peak_bytes == 0
+    assert workers[1].cache.stats.evicted == STEPS  # one entry per coalesced forward, none kept
+
+
+def test_a_backward_on_another_replica_recomputes_there_to_the_same_gradients():
+    run = small_run("workers.activation_cache_mb=64")
+    pinned, other = Worker(run, 0), Worker(run, 0)  # same seed: the same weights
+    ids, grad = samples(2), torch.randn(2, 16, run.model.ssn.rank)
+    drain(pinned, [submit(pinned, "forward", ids)])
+    drain(other, [submit(other, "backward", ids, None, grad)])  # the forward ran elsewhere
+    drain(pinned, [submit(pinned, "backward", ids, None, grad)])
+    assert other.cache.stats.misses == 1 and other.cache.stats.hits == 0
+    assert pinned.cache.stats.hits == 1 and pinned.cache.stats.misses == 0
+    for p, q in zip(pinned.params, other.params):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+
+
+def test_stale_weights_are_never_used():
+    run = small_run("workers.activation_cache_mb=64")
+    head = Worker(run, 0)
+    ids = samples(2)
+    drain(head, [submit(head, "forward", ids)])
+    with torch.no_grad():
+        head.params[0].add_(0.01)  # e.g. an averaging round between forward and backward
+    drain(head, [submit(head, "backward", ids, None, torch.randn(2, 16, run.model.ssn.rank))])
+    assert head.cache.stats.stale == 1 and head.cache.stats.hits == 0 and head.cache.stats.misses == 1
+
+
+def test_the_accounting_stays_within_the_bound_and_counts_the_saved_activations():
+    run = small_run("workers.activation_cache_mb=64")
+    body = Worker(run, 1)
+    wire = torch.randn(2, 16, run.model.ssn.rank)
+    drain(body, [submit(body, "forward", samples(2), wire)])
+    one = body.cache.used
+    # At least the stage's input, output and a hidden state per layer per sample are kept alive.
+    hidden = 2 * 16 * run.model.d_model * 4
+    assert one >= wire.numel() * 4 + hidden * (1 + run.stages[1].layers)
+    body.cache.limit = int(2.5 * one)  # room for two entries, not three
+    for seed in range(10):
+        drain(body, [submit(body, "forward", samples(2, seed=seed + 1), wire)])
+        assert body.cache.used <= body.cache.limit
+    assert len(body.cache) == 2 and body.cache.stats.evicted == 9
+    assert body.cache.stats.peak_bytes <= body.cache.limit
+
+
+def test_an_entry_is_served_only_to_a_batch_holding_all_its_requests():
+    cache = ActivationCache(1 << 20)
+    out = torch.zeros(3, 1)
+    cache.store(Entry([b"a", b"b", b"c"], [1, 1, 1], out, None, 0, 100))
+    cache.store(Entry([b"d"], [1], out[:1], None, 0, 100))
+    hits, misses = cache.take([b"d", b"c", b"x"], 0)
+    assert [(e.keys, pos) for e, pos in hits] == [([b"d"], [0])]
+    assert misses == [1, 2] and len(cache) == 0 and cache.used == 0  # a partial entry is dropped
+    cache.store(Entry([b"a", b"a"], [1, 1], out[:2], None, 0, 100))  # the same sample twice
+    hits, misses = cache.take([b"a", b"a"], 0)
+    assert [pos for _, pos in hits] == [[0, 1]] and misses == []
