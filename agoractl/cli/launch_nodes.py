@@ -193,7 +193,7 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
     run = load(manifest, set_)
     check_resume_options(resume_step, fresh)
     _check_store(run, resume_step, fresh, force)  # refusals before anything starts
-    if run.model.family == "llama" and run.model.ssn.rank is None:
+    if run.model.family == "llama" and run.model.ssn.rank is None and len(run.stages) > 1:
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
     if run.local.hosts.enabled:

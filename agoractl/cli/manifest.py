@@ -93,8 +93,11 @@ def _render(p: dict) -> None:
               human_bytes(p["sparta_bytes_per_round"]), "", "")
     stdout.print(t)
     b = p["boundary_bytes_per_token"]
-    stdout.print(f"boundary: {b['dense']} B/token dense, {b['compressed']} B/token with SSN "
-                 f"({b['ratio']:.1f}x), plus {b['token_id_bytes']} B of token id")
+    if len(p["stages"]) == 1:
+        stdout.print(f"boundary: none (one whole-model stage); {b['token_id_bytes']} B of token id per token")
+    else:
+        stdout.print(f"boundary: {b['dense']} B/token dense, {b['compressed']} B/token with SSN "
+                     f"({b['ratio']:.1f}x), plus {b['token_id_bytes']} B of token id")
     bw = p["required_bandwidth_mbps"]
     stdout.print(f"bandwidth per node ({bw['stage']}): {human_rate(bw['bf16'])} Mbit/s with a bf16 all-reduce, "
                  f"{human_rate(bw['fp32'])} Mbit/s with fp32")

@@ -46,9 +46,9 @@ def stage_counts(run: Run, index: int) -> StageCounts:
     V, d = m.vocab_size, m.d_model
     if m.family == "surrogate":
         n = stage.layers * surrogate_layer_params(m) + m.surrogate.dummy_params
-        if stage.role == "head":
+        if stage.embeds:
             n += V * d
-        if stage.role == "tail":
+        if stage.computes_loss:
             n += d * V
         return StageCounts(n, n, 0)
     k = m.ssn.rank
@@ -58,10 +58,10 @@ def stage_counts(run: Run, index: int) -> StageCounts:
     if k:
         # U_k (d x k) everywhere; the fixed token embedding wherever a stage encodes or decodes.
         buffers = d * k + V * d
-    if stage.role == "head":
+    if stage.embeds:
         trainable += V * (k if k else d)
         dense += V * d
-    if stage.role == "tail":
+    if stage.computes_loss:
         trainable += d + d * V
         dense += d + d * V
     return StageCounts(trainable, dense, buffers)
@@ -81,7 +81,7 @@ def stage_flops_per_sample(run: Run, index: int) -> int:
     else:
         weights = stage.layers * block_params(m, None)
         attention = stage.layers * 2 * 2 * T * d
-    if stage.role == "tail":
+    if stage.computes_loss:
         weights += d * m.vocab_size
     return 3 * T * (2 * weights + attention)
 
@@ -90,9 +90,12 @@ def boundary_bytes_per_token(run: Run, wire_bytes: int = FP32) -> dict:
     """Activation bytes per token crossing one stage boundary: dense (d values) vs SSN (k values).
 
     Token ids travel with every request in both cases (the tail needs labels), so they are given
-    separately and left out of the ratio, which is then exactly d/k.
+    separately and left out of the ratio, which is then exactly d/k. A run of one stage (role whole) has no
+    boundary: dense and compressed are 0 and the ratio 1 (only token ids travel).
     """
     m = run.model
+    if len(run.stages) == 1:
+        return {"dense": 0, "compressed": 0, "ratio": 1.0, "token_id_bytes": 4}
     dense = m.d_model * wire_bytes
     compressed = (m.ssn.rank or m.d_model) * wire_bytes
     return {"dense": dense, "compressed": compressed, "ratio": dense / compressed, "token_id_bytes": 4}
@@ -110,7 +113,7 @@ def required_bandwidth_mbps(run: Run, counts: StageCounts, a_f: float = 3, a_b: 
     """
     m, dp = run.model, run.data_parallel
     hidden = m.ssn.rank or m.d_model
-    activations = 32 * (a_f + a_b) * m.seq_len * hidden
+    activations = 32 * (a_f + a_b) * m.seq_len * hidden if len(run.stages) > 1 else 0  # whole: no boundary
     num_params = counts.dense if ar_params == "dense" else counts.trainable
     share = {"sparta": dp.sparta.fraction, "fgdiloco": 1.0, "none": 0.0}[dp.method]
     payload = share * num_params

@@ -104,12 +104,23 @@ class Tokenizer(Section):
 
 
 class Stage(Section):
-    role: Literal["head", "body", "tail"]
-    """head owns the embedding, tail the final norm, LM head and loss, body only blocks."""
+    role: Literal["head", "body", "tail", "whole"]
+    """head owns the embedding, tail the final norm, LM head and loss, body only blocks; whole owns all of
+    them (embedding to loss): the one stage of a run whose model is not split, served by whole-model replicas."""
     layers: int = Field(gt=0)
     """Transformer blocks in this stage."""
     name: Optional[str] = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
-    """Stage name (DHT keys, checkpoint paths); null = head, body-1, body-2, ..., tail."""
+    """Stage name (DHT keys, checkpoint paths); null = head, body-1, body-2, ..., tail (whole: whole)."""
+
+    @property
+    def embeds(self) -> bool:
+        """Whether this stage owns the token embedding (it takes token ids, no wire tensor)."""
+        return self.role in ("head", "whole")
+
+    @property
+    def computes_loss(self) -> bool:
+        """Whether this stage owns the final norm, LM head and loss (it answers forward_backward)."""
+        return self.role in ("tail", "whole")
 
 
 class Optimizer(Section):
@@ -368,7 +379,8 @@ class Run(Section):
     stages: list[Stage] = Field(
         default_factory=lambda: [Stage(role="head", layers=2), Stage(role="body", layers=1), Stage(role="tail", layers=1)]
     )
-    """Pipeline stages in order: one head first, any bodies, one tail last."""
+    """Pipeline stages in order: one head first, any bodies, one tail last; or a single stage of role whole
+    (the model not split: whole-model replicas, data parallelism only)."""
     training: Training = Training()
     data_parallel: DataParallel = DataParallel()
     join: Join = Join()
@@ -416,6 +428,7 @@ class Run(Section):
         base = c.threshold if c.threshold is not None else 1.0 / math.sqrt(len(self.stages))
         if c.mode == "global":
             return c.threshold if c.threshold is not None else 1.0
+        # A whole stage is the whole model: stage-wise is global clipping (1/sqrt(1) = 1), no tail multiplier.
         return base * (c.tail_multiplier if self.stages[index].role == "tail" else 1.0)
 
     def n_segments(self) -> int:
@@ -424,7 +437,7 @@ class Run(Section):
 
 
 def stage_names(stages: list[Stage]) -> list[str]:
-    """Explicit names, else head / body-1..body-N / tail by role."""
+    """Explicit names, else head / body-1..body-N / tail (or whole) by role."""
     names, body = [], 0
     for s in stages:
         if s.role == "body":
@@ -452,10 +465,15 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
     if run.tokenizer.kind == "hf" and not run.tokenizer.path:
         out.append(("tokenizer.path", "tokenizer.kind hf needs a path to a local tokenizer.json"))
     stages = run.stages
-    if len(stages) < 2:
-        out.append(("stages", f"a pipeline needs at least a head and a tail; got {len(stages)} stage(s)"))
-    else:
-        roles = [s.role for s in stages]
+    roles = [s.role for s in stages]
+    if not stages:
+        out.append(("stages", "a run needs one stage of role whole, or a pipeline from a head to a tail"))
+    elif len(stages) == 1 and roles[0] != "whole":
+        out.append(("stages[0].role", f"a single stage holds the whole model: role whole; got {roles[0]}"))
+    elif len(stages) > 1 and "whole" in roles:
+        out.append((f"stages[{roles.index('whole')}].role", "whole is for a run of one stage; a pipeline has "
+                                                             "a head, any bodies and a tail"))
+    elif len(stages) > 1:
         if roles[0] != "head" or roles.count("head") != 1:
             out.append(("stages[0].role", "exactly one head stage, and it must come first"))
         if roles[-1] != "tail" or roles.count("tail") != 1:

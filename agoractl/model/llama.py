@@ -184,11 +184,16 @@ class _Decoder(nn.Module):
 
 class StageModule(nn.Module):
     """One pipeline stage. ``forward(wire_in, tokens)``: head takes None and returns the wire;
-    body maps wire → wire; tail maps wire → logits [B, T, V]. The wire is fp32 [B, T, width]."""
+    body maps wire → wire; tail maps wire → logits [B, T, V]; whole (the model not split) takes None and
+    returns logits, never touching the SSN codec's encode/decode. The wire is fp32 [B, T, width]."""
 
     index: int
     role: str
     name: str
+    embeds: bool
+    """Owns the token embedding: takes token ids, no wire (head, whole)."""
+    computes_loss: bool
+    """Owns the final norm and LM head: returns logits (tail, whole)."""
 
     @property
     def wire_width(self) -> int:
@@ -203,8 +208,9 @@ class LlamaStage(StageModule, _Decoder):
         super().__init__()
         stage = run.stages[index]
         self.index, self.role, self.name = index, stage.role, run.stage_names()[index]
+        self.embeds, self.computes_loss = stage.embeds, stage.computes_loss
         start, stop = run.layer_range(index)
-        self._build(run, start, stop, embed=self.role == "head", lm_head=self.role == "tail")
+        self._build(run, start, stop, embed=self.embeds, lm_head=self.computes_loss)
 
     @property
     def wire_width(self) -> int:
@@ -213,7 +219,7 @@ class LlamaStage(StageModule, _Decoder):
     def hidden(self, wire_in: Optional[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         """The d-wide residual stream after this stage's blocks (before encoding or the LM head)."""
         with self._autocast(tokens.device):
-            if self.role == "head":
+            if self.embeds:
                 x = self._embed(tokens)
             else:
                 if wire_in is None:
@@ -223,7 +229,7 @@ class LlamaStage(StageModule, _Decoder):
 
     def forward(self, wire_in: Optional[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         x = self.hidden(wire_in, tokens)
-        if self.role == "tail":
+        if self.computes_loss:
             with self._autocast(tokens.device):
                 return self._logits(x)
         return self.codec.encode(x, tokens)

@@ -78,15 +78,16 @@ class SurrogateStage(StageModule, _SurrogateParts):
         super().__init__()
         stage = run.stages[index]
         self.index, self.role, self.name = index, stage.role, run.stage_names()[index]
+        self.embeds, self.computes_loss = stage.embeds, stage.computes_loss
         start, stop = run.layer_range(index)
-        self._build(run, start, stop, embed=self.role == "head", lm_head=self.role == "tail", dummies=[index])
+        self._build(run, start, stop, embed=self.embeds, lm_head=self.computes_loss, dummies=[index])
 
     @property
     def wire_width(self) -> int:
         return self.d_model
 
     def forward(self, wire_in: Optional[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        if self.role == "head":
+        if self.embeds:
             x = self.embed(tokens)
         else:
             if wire_in is None:
@@ -94,7 +95,7 @@ class SurrogateStage(StageModule, _SurrogateParts):
             x = wire_in.float()
         for block in self.blocks.values():
             x = block(x)
-        if self.role == "tail":
+        if self.computes_loss:
             x = self.lm_head(x)
         return self._delayed(x)
 

@@ -30,7 +30,7 @@ class FGDiLoCoNode:
         self.names = [n for n, p in worker.module.named_parameters() if p.requires_grad]
         self.averager.state_provider = serve_state(worker)
         self.peers = StagePeers(records, worker.name, peer, run.workers.announce_period_s)
-        mixing = TransportMixing(averager, lambda: self.peers.live)
+        mixing = TransportMixing(averager, self.peers.live_now)
         self.rounds = FGDiLoCoRounds(run, worker, mixing, averager.round_deadline_s)
         self.writes = ReplicaWrites(run, worker, self.names, peer, publisher=self.peers.first_operator,
                                     extra_state=lambda: {"fgdiloco": self.rounds.outer_state()})

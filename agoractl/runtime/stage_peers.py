@@ -34,17 +34,33 @@ class StagePeers:
         """Operator replicas in the latest read."""
         self.seen: dict[str, float] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
     def read(self) -> None:
-        now = time.monotonic()
         current = self.records.stage_workers(self.stage)
+        with self._lock:  # the watcher and a round's live_now may read at once
+            self._take(current)
+
+    def _take(self, current: dict) -> None:
+        now = time.monotonic()
         self.others_now = len(set(current) - {self.peer})
         self.operators_now = {peer for peer, rec in current.items() if getattr(rec, "role", None) == "operator"}
         for peer in current:
             self.seen[peer] = now
         self.seen[self.peer] = now
         self.live = sum(now - t <= self.horizon_s for t in self.seen.values())
+
+    def live_now(self) -> int:
+        """:attr:`live`, read afresh from the DHT when the last view has this worker alone: a round due before
+        the watcher's first read of a peer (a whole-model replica takes H steps in under a second) must not
+        skip its mix while the peer waits for it. A failed read keeps the last view."""
+        if self.live < 2:
+            try:
+                self.read()
+            except Exception:
+                pass
+        return self.live
 
     def first_operator(self) -> bool:
         """Whether this worker is the stage's first operator (the lowest peer id among the operators

@@ -2,13 +2,14 @@
 
 For each sample it sends the forward head → body → tail, to the worker each stage's
 :class:`~agoractl.algorithms.balancer.Balancer` chooses, keeping every stage's input wire tensor; the tail's
-fused call computes forward, loss and backward at once; then the backward unwinds tail → head, each stage's
-**pinned** to the worker that ran its forward (report §4.2.1). Only when that worker is gone (the call fails)
-does the backward fall back to another replica, which recomputes the forward under its own weights; fallbacks
-are counted. A failed forward is re-sent to another replica (up to ``trainers.retries`` times); a failed
-worker is banned for ``trainers.ban_s``. A sample that runs out of retries, or finds no replica, is counted as
-lost — every dispatched sample ends completed or lost. ``trainers.in_flight`` requests travel at once
-(concurrent pipelines), each of ``trainers.microbatch`` samples (1 by default, as in the report: workers coalesce).
+fused call computes forward, loss and backward at once (a run of one ``whole`` stage makes only that call, no
+wire); then the backward unwinds tail → head, each stage's **pinned** to the worker that ran its forward (report
+§4.2.1). Only when that worker is gone (the call fails) does the backward fall back to another replica, which
+recomputes the forward under its own weights; fallbacks are counted. A failed forward is re-sent to another
+replica (up to ``trainers.retries`` times); a failed worker is banned for ``trainers.ban_s``. A sample that runs
+out of retries, or finds no replica, is counted as lost — every dispatched sample ends completed or lost.
+``trainers.in_flight`` requests travel at once (concurrent pipelines), each of ``trainers.microbatch`` samples
+(1 by default, as in the report: workers coalesce).
 
 Tensors on the wire are what the workers send: SSN coordinates (k per token) when ``model.ssn`` is set, never
 a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records every
@@ -236,18 +237,17 @@ class Trainer:
             path.append(peer)
             inputs.append(wire)
             wire = out["wire"]
-        tail = self.stages[-1]
-        result = await self._dispatch(tail, "forward_backward", {"ids": ids, "wire": wire})
+        tail, sent = self.stages[-1], {"ids": ids, **({} if wire is None else {"wire": wire})}  # whole: no wire
+        result = await self._dispatch(tail, "forward_backward", sent)
         if result is None:
             return self._lose(tail, "forward_backward", n)
         _, out, meta = result
-        losses, grad = out["loss"].reshape(-1).tolist(), out["grad"]
+        losses, grad = out["loss"].reshape(-1).tolist(), out.get("grad")  # no grad from a whole-model stage
         step = int(meta.get("step", 0))
         if draw is not None:
             self.draws.counted(draw, step)
         entry = self.stats.loss.setdefault(step, [0.0, 0])
-        entry[0] += sum(losses)
-        entry[1] += len(losses)
+        entry[0], entry[1] = entry[0] + sum(losses), entry[1] + len(losses)
         self._recent_loss.extend(losses)
         self.stats.loss_sum += sum(losses)
         self.stats.loss_samples += len(losses)

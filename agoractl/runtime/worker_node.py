@@ -271,7 +271,7 @@ class WorkerNode:
         is a traversal, hundreds of milliseconds on a loaded machine): one of each kind is in flight at most."""
         progress, ttl = self.worker.progress, 3 * self.period
         next_announce = next_fetch = last_publish = 0.0
-        last_published = None
+        last_published, first_work = None, True
         pending: dict[str, tuple] = {}  # kind -> (future, started, on success)
 
         def settle() -> None:
@@ -325,6 +325,10 @@ class WorkerNode:
                 last_publish, last_published = now, mine
                 store("progress", self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl,
                       seen=progress.stage_total())
+            if first_work and self.worker.stats.first_request is not None:
+                # Trainers send work once the stage's workers are in the DHT: read them now, not an announce
+                # period later (whole-model replicas each took the whole batch for their first 2 s of steps).
+                first_work, next_fetch = False, now
             if now >= next_fetch:
                 peers = self._dht_call(self.records.stage_progress, self.stage)
                 if peers is not None:

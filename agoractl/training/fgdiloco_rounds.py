@@ -135,7 +135,13 @@ class FGDiLoCoRounds:
         """Begin the current round if the worker starts on a round boundary (else at the next one)."""
         if self.round is not None:  # restored mid-round from a checkpoint
             return
-        if stage_step % self.inner_steps == 0 and stage_step < self.run.training.stop_step:
+        if stage_step == 0 and self.run.training.stop_step > 0:
+            # A new run: every replica starts from the same seeded initialisation, so Mix1 of z is z. Not
+            # mixing it spares a group that the replicas, started a moment apart, may each see alone.
+            self.round, self.z = 0, self.flat()
+            self.mix1 = Unmixed(self.z, {"round": 0, "status": "skipped", "kind": self.kind1,
+                                         "error": "round 0 of a new run: every replica starts identical"})
+        elif stage_step % self.inner_steps == 0 and stage_step < self.run.training.stop_step:
             self.begin(stage_step // self.inner_steps)
 
     def outer_state(self) -> dict[str, Any]:

@@ -8,6 +8,8 @@ With ``workers.activation_cache_mb`` > 0 the worker keeps its recent forwards' g
 (:mod:`agoractl.training.activation_cache`, bounded, oldest evicted) and a backward of the same samples
 uses them instead; evicted, partial, stale or unknown samples take the recompute. The tail's fused
 ``forward_backward`` computes forward, loss and backward in one pass and saves that recompute.
+A stage of role ``whole`` (the model not split) answers only ``forward_backward``: token ids in,
+per-sample losses out, no wire and no input gradient.
 
 Parameter gradients accumulate (each sample's loss unscaled) until the stage has **collectively**
 seen ``training.global_batch_size`` samples (:class:`~agoractl.algorithms.progress.StageProgress`, fed
@@ -81,7 +83,7 @@ class Worker:
         self.device = torch.device(device)
         self.module = build_stage(run, stage_index, self.device)
         self.module.train()
-        self.role_in_pipeline = self.module.role  # head / body / tail
+        self.role_in_pipeline = self.module.role  # head / body / tail, or whole (the model not split)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         if self.device.type == "cpu":
             self.master = self.params
@@ -143,12 +145,15 @@ class Worker:
         if task.method not in QUEUE_OF:
             task.done(None, ValueError(f"unknown method {task.method!r}"))
             return
-        if task.method == "forward_backward" and self.role_in_pipeline != "tail":
+        if task.method == "forward_backward" and not self.module.computes_loss:
             task.done(None, ValueError(f"forward_backward is the tail's call; stage {self.name} is the "
                                        f"{self.role_in_pipeline}"))
             return
+        if task.method != "forward_backward" and self.module.embeds and self.module.computes_loss:
+            task.done(None, ValueError(f"stage {self.name} holds the whole model: it answers forward_backward only"))
+            return
         problem = self.validate and request_problem(task.method, task.ids, task.wire, task.grad,
-                                                    self.run.model.vocab_size, self.role_in_pipeline != "head")
+                                                    self.run.model.vocab_size, not self.module.embeds)
         if problem:  # never computed: bad inputs must not reach this stage's gradients
             self.stats.refused += 1
             self.emit("request_refused", method=task.method, problem=problem)
@@ -266,7 +271,7 @@ class Worker:
         ids = torch.cat([t.ids for t in batch]).to(self.device, dtype=torch.long)
         if ids.dim() != 2:
             raise ValueError(f"ids must be [batch, seq_len+1]; got shape {tuple(ids.shape)}")
-        if self.role_in_pipeline == "head":
+        if self.module.embeds:
             return None, ids
         if any(t.wire is None for t in batch):
             raise ValueError(f"stage {self.name} needs the previous stage's wire tensor")
@@ -327,9 +332,9 @@ class Worker:
         losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                  reduction="none").view(labels.shape).mean(dim=1)
         losses.sum().backward()  # each sample's mean loss, unscaled: the step divides by the count
-        grads = self._split(wire.grad, sizes)
+        grads = self._split(None if wire is None else wire.grad, sizes)  # whole: no input wire, no gradient
         per_sample = losses.detach().cpu().split(sizes)
-        return [{"grad": g, "loss": l} for g, l in zip(grads, per_sample)]
+        return [{"loss": l, **({"grad": g} if g is not None else {})} for g, l in zip(grads, per_sample)]
 
     # -- stepping -----------------------------------------------------------------------------
 

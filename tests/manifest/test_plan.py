@@ -47,3 +47,15 @@ def test_bandwidth_assumptions_are_parameters():
     assert slow < fast
     trainable = make_plan(run, ar_params="trainable")["required_bandwidth_mbps"]["bf16"]
     assert trainable < make_plan(run)["required_bandwidth_mbps"]["bf16"]
+
+
+def test_a_whole_stage_plans_the_whole_model_and_no_boundary():
+    run = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml")
+    pipeline = load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", ["model.ssn.rank=null"])
+    whole, split = make_plan(run), make_plan(pipeline)
+    assert [s["role"] for s in whole["stages"]] == ["whole"]
+    assert whole["params"] == split["params"]  # same model, not split
+    assert whole["stages"][0]["flops_per_sample"] == sum(s["flops_per_sample"] for s in split["stages"])
+    assert whole["boundary_bytes_per_token"]["dense"] == 0
+    # Only the all-reduce: FGDiLoCo sends every parameter, in 32 bits, every ar_time_s (10 s).
+    assert whole["required_bandwidth_mbps"]["fp32"] == pytest.approx(32 * whole["params"] / 10 / 1e6)

@@ -65,3 +65,16 @@ def test_until_step_stops_a_launch_within_max_steps():
     assert Run(training=Training(max_steps=40, until_step=20)).training.stop_step == 20
     with pytest.raises(ValueError, match="training.until_step: exceeds training.max_steps"):
         Run(training=Training(max_steps=10, until_step=20))
+
+
+def test_a_run_of_one_whole_stage_is_valid_and_whole_only_stands_alone():
+    run = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml")
+    assert run.stage_names() == ["whole"] and run.layer_range(0) == (0, run.model.n_layers)
+    assert run.stages[0].embeds and run.stages[0].computes_loss
+    assert run.clip_threshold(0) == 1.0  # stage-wise over one stage = global clipping; no tail multiplier
+    with pytest.raises(ValueError, match=r"stages\[0\].role: a single stage holds the whole model"):
+        Run(stages=[Stage(role="tail", layers=4)])
+    with pytest.raises(ValueError, match=r"stages\[1\].role: whole is for a run of one stage"):
+        Run(stages=[Stage(role="head", layers=2), Stage(role="whole", layers=2)])
+    with pytest.raises(ValueError, match="at least one stage|needs one stage"):
+        Run(stages=[])

@@ -200,3 +200,15 @@ def test_bf16_autocast_keeps_the_boundary_exact_and_the_wire_fp32(monkeypatch):
     monkeypatch.setattr(model_module, "AUTOCAST_DEVICES", ("cuda",))
     x32 = body.hidden(wire, tokens)
     assert not torch.equal(x, x32) and torch.allclose(x, x32, rtol=0.05, atol=0.05 * x32.abs().max().item())
+
+
+@pytest.mark.parametrize("rank", ["null", "16"])
+def test_a_whole_stage_is_the_monolithic_model(rank):
+    # Role whole: token ids in, logits out, the same parameters (names and values) as the centralized model.
+    run = load_manifest(LOCAL, SHORT + [f"model.ssn.rank={rank}", "stages=[{role: whole, layers: 4}]"])
+    stage, model = build_stage(run, 0), build_model(run)
+    assert (stage.role, stage.name, stage.embeds, stage.computes_loss) == ("whole", "whole", True, True)
+    a, b = stage.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tokens = torch.randint(0, 257, (2, 24))
+    torch.testing.assert_close(stage(None, tokens), model(tokens), rtol=0, atol=0)

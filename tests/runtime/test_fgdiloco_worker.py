@@ -1,9 +1,11 @@
-"""FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker): ``launch swarm`` of
-``manifests/fgdiloco-local-cpu.yaml``, 2 stages x 2 workers: outer rounds complete over hivemind and
-the loss falls. The outer rounds' maths in one process: tests/training/test_fgdiloco_rounds.py.
+"""FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker) as seed 002 runs it: ``launch swarm`` of
+``manifests/fgdiloco-dp-cpu.yaml``, the model not split (one stage of role whole), 2 whole-model replicas fed
+by 2 trainers: outer rounds complete over hivemind and the loss falls. The outer rounds' maths in one
+process: tests/training/test_fgdiloco_rounds.py; FGDiLoCo on a pipeline (``fgdiloco-local-cpu.yaml``) runs
+the same per-stage rounds, and multi-stage swarms are the SPARTA tests'.
 
-The swarm runs with dense boundaries (``model.ssn.rank: null``) and publishes stage checkpoints, so it
-also serves the export check for a dense-boundary swarm (the SSN one is the SPARTA scenario's).
+The swarm is dense (``model.ssn.rank: null``) and publishes its checkpoints, so it also serves the export
+check for a dense model from a swarm's store (the SSN one is the SPARTA scenario's).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
         "trainers.request_timeout_s=30", "network.startup_timeout_s=90", "data_parallel.fgdiloco.matchmaking_timeout_s=10",
         f"local.run_dir={run_dir}", f"checkpoints.store={tmp_path / 'store'}",
         "model.ssn.rank=null", "checkpoints.every_steps=8"]
-    p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-local-cpu.yaml")
+    p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-dp-cpu.yaml")
     report = finish(p, run_dir)
     assert report["steps"] == 16 and report["samples_lost"] == 0
     first = sum(v for _, v in report["loss"][:3]) / 3
     assert report["final_loss"] < first - 0.3, report["loss"]
+    assert list(by_stage(report)) == ["whole"]
     for name, stage in by_stage(report).items():
-        assert stage["outer_rounds"] == 4, stage  # 16 steps / H = 4
+        assert stage["outer_rounds"] == 4 and stage["workers_seen"] == 2, stage  # 16 steps / H = 4
         assert stage["mix2_success_mean"] is not None and stage["mix2_success_mean"] > 0.8, stage
     _export_matches(values, tmp_path / "hf")
 
@@ -42,7 +45,7 @@ def _export_matches(values: list[str], to) -> None:
     from agoractl.ops.checkpoint import CheckpointStore
     from tests.ops.test_export import assert_export_matches
 
-    manifest = MANIFESTS / "fgdiloco-local-cpu.yaml"
+    manifest = MANIFESTS / "fgdiloco-dp-cpu.yaml"
     run = load_manifest(manifest, values)
     store = CheckpointStore(run)
     common = sorted(set.intersection(*(set(store.steps(s)) for s in run.stage_names())))

@@ -41,3 +41,15 @@ def test_first_operator_is_the_lowest_operator_peer_id_contributors_aside():
     alone = StagePeers(Reads({}), "head", "z", announce_period_s=1.0)
     alone.read()  # its own record not yet propagated: it still counts itself
     assert alone.live == 1 and alone.first_operator()
+
+
+def test_live_now_reads_afresh_only_when_the_view_is_alone():
+    # A round due before the watcher's first read of a peer asks the DHT itself instead of skipping its mix.
+    reads = Reads({"a": rec()}, {"a": rec(), "b": rec()})
+    peers = StagePeers(reads, "whole", "a", announce_period_s=1.0)
+    peers.read()
+    assert peers.live == 1
+    assert peers.live_now() == 2 and not reads.answers
+    assert peers.live_now() == 2  # not alone: no read (Reads would raise on an empty list)
+    failing = StagePeers(Reads(), "whole", "a", announce_period_s=1.0)
+    assert failing.live_now() == 1  # a failed read keeps the last view

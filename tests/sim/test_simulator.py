@@ -193,3 +193,18 @@ def test_eval_loss_covers_routes():
     assert len(sim.routes(limit=4)) == 4
     probe = Batcher(lesson_sequences(run, 5)).take(2)
     assert sim.eval_loss(probe) == pytest.approx(sim.eval_loss(probe))
+
+
+def test_a_whole_stage_runs_in_both_simulations():
+    # One stage of role whole: the pipeline simulation is the monolithic model, and a FGDiLoCo replica
+    # clips the whole model as one group at 1/sqrt(1) = 1 (what central's global clipping does).
+    run = tiny_run("stages=[{role: whole, layers: 2}]")
+    sim = PipelineSim(run, replicas=1)
+    model = build_model(run)
+    samples = Batcher(lesson_sequences(run)).take(2)
+    inputs, labels = split_sample(samples)
+    with torch.no_grad():
+        expected = float(lm_loss(model(inputs), labels))
+    assert sim.microbatch(samples) == pytest.approx(expected, rel=1e-6)
+    (params, threshold), = Replica(run).groups
+    assert len(params) == len(list(model.parameters())) and threshold == 1.0

@@ -113,3 +113,31 @@ def test_worker_outer_step_equals_the_simulators(variant):
         assert torch.equal(flat(w), z[m]), (variant, m, float((flat(w) - z[m]).abs().max()))
     assert [len(fg.records) for fg in fgs] == [4, 4]
     assert fgs[0].summary()["fgdiloco"]["outer_rounds"] == 2
+
+
+def test_a_new_run_does_not_mix_its_identical_start():
+    # Round 0 of a new run: every replica holds the same z, so Mix1 is skipped (recorded), never a group
+    # that replicas started a moment apart could each find alone; a later round start does mix.
+    run = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml",
+                        ["model.seq_len=16", f"data_parallel.fgdiloco.inner_steps={H}"])
+    started = []
+
+    class Mixing:
+        def start(self, kind, index, values):
+            started.append(index)
+            return Handle()
+
+    class Handle:
+        def done(self):
+            return True
+
+        def result(self, timeout=None):
+            return torch.zeros(0), {"status": "failed"}
+
+    fresh = FGDiLoCoRounds(run, Worker(run, 0), Mixing())
+    fresh.start(0)
+    assert fresh.round == 0 and started == []
+    assert fresh.mix1.result()[1]["status"] == "skipped"
+    later = FGDiLoCoRounds(run, Worker(run, 0), Mixing())
+    later.start(2 * H)
+    assert later.round == 2 and started == [4]

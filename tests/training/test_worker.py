@@ -143,3 +143,38 @@ def test_pure_pipeline_of_workers_matches_the_centralized_reference():
         for name, p in w.module.named_parameters():
             # Adam turns float noise in near-zero gradients into small update differences: far below lr.
             torch.testing.assert_close(p, central[name], rtol=0, atol=1e-4)
+
+
+def test_a_whole_model_worker_answers_forward_backward_alone_and_matches_central():
+    """Role whole: ids in, per-sample losses out (no wire, no input gradient); forward and backward are
+    refused; after two steps the replica equals the centralized model trained on the same batches."""
+    run = small_run("stages=[{role: whole, layers: 4}]", "model.ssn.rank=null")
+    worker = Worker(run, 0)
+    refused = submit(worker, "forward", samples(1))
+    assert isinstance(refused.error, ValueError) and "forward_backward only" in str(refused.error)
+    data = samples(8, seed=1)
+    losses = []
+    for pair in data.split(2):
+        out = call(worker, "forward_backward", pair)
+        assert "grad" not in out and out["loss"].shape == (2,)
+        losses.extend(out["loss"].tolist())
+    worker.maybe_step()
+    assert worker.progress.step == 2 and [s[2] for s in worker.stats.steps] == [4, 4]
+
+    model = build_model(run)
+    opt = make_optimizer(model.parameters(), run)
+    (_, params, threshold), = clip_groups(run, model)
+    central_losses = []
+    for step, batch in enumerate(data.split(4)):
+        set_lr(opt, lr_at(run, step))
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(split_sample(batch)[0]), split_sample(batch)[1])
+        loss.backward()
+        central_losses.append(float(loss.detach()))
+        torch.nn.utils.clip_grad_norm_(params, threshold)
+        opt.step()
+    torch.testing.assert_close(sum(losses[:4]) / 4, central_losses[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(losses[4:]) / 4, central_losses[1], rtol=1e-4, atol=1e-4)
+    central = dict(model.named_parameters())
+    for name, p in worker.module.named_parameters():
+        torch.testing.assert_close(p, central[name], rtol=0, atol=1e-4)
