@@ -21,7 +21,7 @@ interleaved round-robin, each over the initial assignment, rotating in memory as
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -74,7 +74,8 @@ class TrainerStream:
 
     def __init__(self, run: Run, trainer_index: int, position: Optional[dict[str, Any]] = None, *,
                  index: Optional[ShardIndex] = None, source: Optional[LedgerSource] = None,
-                 tokenizer: Optional[Tokenizer] = None, wait_s: float = 0.0, poll_s: float = 1.0):
+                 tokenizer: Optional[Tokenizer] = None, wait_s: float = 0.0, poll_s: float = 1.0,
+                 interrupt: Optional[Callable[[], bool]] = None):
         self.run, self.trainer = run, trainer_index
         self.output = run.data.output
         self.index = index or read_index(self.output)
@@ -89,8 +90,8 @@ class TrainerStream:
         """The claim ledger's source (in-flight bookkeeping), or None (an in-memory or file ledger)."""
         self.seq_len = run.model.seq_len
         self.wait_s, self.poll_s = wait_s, poll_s
-        self.interrupt = lambda: False
-        """Set by the trainer: stop waiting for the epoch's last shards (the run ended meanwhile)."""
+        self.interrupt: Callable[[], bool] = interrupt or (lambda: False)
+        """Set by the trainer: stop waiting for the epoch's last shards (the run ended meanwhile, or a signal)."""
         self.last: Optional[tuple[int, int, int]] = None
         """(shard, epoch, offset) of the sequence handed out last."""
         self.text_column = self.index.text_column
@@ -101,7 +102,9 @@ class TrainerStream:
         if position is not None and self.claims is not None:
             adopted = self.claims.adopt([Holding(**h) for h in position["holdings"]])
         holdings = adopted if adopted is not None else self._first_assignment()
-        if holdings is None:
+        if holdings is None and self.interrupt():
+            holdings = []  # stopped while waiting for a first shard: nothing to read
+        elif holdings is None:
             raise RuntimeFailure(f"trainer {trainer_index} has no shard left in {self.output}",
                                  hint="every epoch of the data is read (data.epochs); `agoractl rotate-shards FILE "
                                       "--wrap` allows one more")
@@ -284,14 +287,15 @@ class TrainerStream:
 
 
 def trainer_stream(run: Run, trainer_index: int, position: Optional[dict[str, Any]] = None,
-                   wait_s: float = 0.0, poll_s: float = 1.0) -> TrainerStream:
+                   wait_s: float = 0.0, poll_s: float = 1.0,
+                   interrupt: Optional[Callable[[], bool]] = None) -> TrainerStream:
     """The stream of trainer `trainer_index` over the shards the ledger assigns it.
 
     Creates the initial ledger when missing. `position` (from ``.position()``) resumes exactly. When
     its shards are exhausted the stream reports, then waits up to `wait_s` seconds for rotation to
     assign new ones before it ends.
     """
-    return TrainerStream(run, trainer_index, position, wait_s=wait_s, poll_s=poll_s)
+    return TrainerStream(run, trainer_index, position, wait_s=wait_s, poll_s=poll_s, interrupt=interrupt)
 
 
 def report_progress(run: Run, trainer_index: int, stream: TrainerStream) -> str:

@@ -22,6 +22,7 @@ Everything here runs in the launcher; the pure parts are tested without processe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -141,6 +142,7 @@ class Slot:
     nodes: list = field(default_factory=list)
     due: Optional[float] = None  # a restart is pending at this monotonic time
     settled: bool = False  # its last incarnation exited and will not be started again
+    done: bool = False  # ... because its work was finished (a worker's stage reached its last step)
 
     @property
     def current(self):
@@ -162,6 +164,7 @@ class Supervisor:
         self._last_exit: dict[str, str] = {}
         self._seed_noted = False
         self._stall_noted = 0.0
+        self._complete = False  # every stage finished; trainers still running were told to stop
 
     def adopt(self) -> None:
         """Take over the nodes the swarm started; the stall clock starts now."""
@@ -196,6 +199,7 @@ class Supervisor:
             if slot.due is not None and now >= slot.due:
                 self._restart(slot, now)
         self._observe_progress(now)
+        self._stop_trainers_of_a_complete_run()
         if self.stall.stalled(now):
             cause = self.cause()
             pending = [s.name for s in self.slots.values() if s.due is not None]
@@ -207,6 +211,20 @@ class Supervisor:
             if now - self._stall_noted >= STALL_NOTE_S:
                 self._stall_noted = now
                 self.swarm.on_note(f"stalled: {message}; waiting for the restart of {', '.join(pending)}")
+
+    def _stop_trainers_of_a_complete_run(self) -> None:
+        """Every stage's workers finished (their stages reached the last step): a trainer still running (one
+        that never got data to read, say) would wait for workers forever; it is stopped (SIGTERM)."""
+        workers = [s for s in self.slots.values() if s.kind == "worker"]
+        if self._complete or not workers or not all(s.done for s in workers):
+            return
+        running = [s.current for s in self.slots.values() if s.kind == "trainer" and s.current.poll() is None]
+        self._complete = True
+        if running:
+            self.swarm.on_note(f"every stage reached its last step: stopping {', '.join(n.name for n in running)}")
+            for n in running:
+                with contextlib.suppress(ProcessLookupError):
+                    n.proc.send_signal(signal.SIGTERM)
 
     def cause(self) -> str:
         running = {s: 0 for s in self.swarm.run.stage_names()}
@@ -253,13 +271,15 @@ class Supervisor:
     def _exited(self, slot: Slot, node, now: float) -> None:
         how = describe_exit(node.exit_code)
         finished = self._finished(slot, node)
+        if slot.kind == "trainer" and self._complete:  # told to stop: the run is complete
+            finished = f"stopped once every stage reached its last step ({finished or how})"
         entry = {"node": node.name, "slot": slot.name, "kind": slot.kind, "stage": slot.stage,
                  "exit_code": node.exit_code, "how": how, "restarted": False}
         self.exits.append(entry)
         if finished is not None:
-            slot.settled = True
+            slot.settled = slot.done = True
             entry["how"] = finished
-            if slot.kind == "trainer" and finished not in FINISHED_REASONS:
+            if slot.kind == "trainer" and finished not in FINISHED_REASONS and not self._complete:
                 self.early_end = self.early_end or f"{slot.name} ended early: {finished}"
                 self.swarm.on_note(f"{slot.name} ended before training.max_steps: {finished}")
             return

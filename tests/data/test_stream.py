@@ -164,3 +164,20 @@ def test_progress_reports_are_per_trainer_files(shards, tmp_path):
     write_progress(run.data.output, 1, [], None)
     assert sorted(p.name for p in (tmp_path / "shards" / "progress").iterdir()) == \
         ["trainer-00000.json", "trainer-00001.json"]
+
+
+def test_a_trainer_waiting_for_its_first_shard_ends_the_wait_when_interrupted(shards, tmp_path):
+    """Every shard is claimed by trainer 0: trainer 1 waits for one (the epoch's last shards are held by others)
+    until its trainer says stop (a signal), and then reads nothing instead of failing."""
+    run = fresh_run(shards, tmp_path, trainers__shards_per_trainer=8, data__lease_s=600)
+    first = trainer_stream(run, 0)
+    assert len(first.holdings) == 8
+    asked: list[int] = []
+
+    def interrupt() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    second = trainer_stream(run, 1, poll_s=0.01, interrupt=interrupt)
+    assert second.holdings == [] and len(asked) >= 4  # it waited (polled) until told to stop
+    assert list(second) == []  # asked once more: still stopped

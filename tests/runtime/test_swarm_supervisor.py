@@ -59,6 +59,10 @@ def test_exits_and_causes_in_words():
 class FakeProc:
     def __init__(self, pid):
         self.pid = pid
+        self.signals: list[int] = []
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
 
 
 class FakeNode:
@@ -169,6 +173,30 @@ def test_finished_nodes_are_not_started_again(swarm):
     sup2.now.t = 5.0
     sup2.tick()
     assert sup2.slots["trainer-0"].current.name == "trainer-0.r1" and not sup2.settled(sup2.slots["trainer-0"].current)
+
+
+def test_a_trainer_still_running_once_every_stage_finished_is_stopped_not_restarted(swarm):
+    """A second trainer that never got a shard to read waits for workers forever; once every stage's workers
+    finished their last step, it gets SIGTERM, and its exit ends the run as complete (no restart, no early end)."""
+    swarm.nodes.append(FakeNode("trainer-1", "trainer", stats_path=swarm.dir / "trainer-1.json"))
+    sup = Supervisor(swarm, Clock())
+    sup.adopt()
+    workers = [sup.slots[n].current for n in sup.slots if n.startswith("worker-")]
+    for i, w in enumerate(workers):
+        w.stats_path = swarm.dir / f"w{i}.json"
+        w.stats_path.write_text(json.dumps({"step": swarm.run.training.stop_step}))
+        w.exit_code = 0
+        sup.tick()
+        assert sup.slots["trainer-1"].current.proc.signals == ([signal.SIGTERM] if i == len(workers) - 1 else [])
+    first = sup.slots["trainer-0"].current
+    first.stats_path.write_text(json.dumps({"finished_reason": "max_steps reached"}))
+    first.exit_code = 0
+    late = sup.slots["trainer-1"].current
+    late.exit_code = 128 + signal.SIGTERM
+    sup.tick()
+    assert sup.settled(late) and sup.settled(first) and sup.restarts()["trainer-1"] == 0 and sup.early_end is None
+    assert "every stage reached its last step: stopping trainer-0, trainer-1" in swarm.notes[-1]
+    assert sup.exits[-1]["how"].startswith("stopped once every stage reached its last step")
 
 
 def test_a_stall_waits_for_a_pending_restart(swarm):
