@@ -4,15 +4,15 @@ Each forward goes to the worker at the top of the heap (the least virtual runtim
 worker charges it up front with the task's estimated cost, ``task size / measured throughput``, so
 the key is a cumulative, speed-weighted account of the work each replica was given and faster
 replicas draw more tasks. Every completed call updates the worker's throughput estimate (an
-exponential moving average of samples per second). One measurement cannot starve a replica: a worker's
-first measurement is blended with what its measured peers of the stage do (a first call is often slow:
-connection set-up, a loaded host), not taken alone; and a completed call settles the worker's account
-at its updated estimate (its virtual runtime is at most one task, at that estimate, ahead of the least
-loaded other replica), so the debt of charges made at a too-low estimate is forgiven once it measures
-fast, while a replica that stays slow keeps paying its full charge. A worker that enters — newly discovered, or
-back from a ban — is placed level with the most-loaded replica present, never at zero, so it is
-not flooded. Failed workers are banned for ``trainers.ban_s`` seconds; workers that discovery no
-longer lists are dropped.
+exponential moving average of samples per second). One measurement cannot starve a replica: a
+worker's first measurement is blended with what its measured peers of the stage do (a first call is
+often slow: connection set-up, a loaded host), not taken alone; and a completed call settles the
+worker's account at its updated estimate (its virtual runtime is at most one task, at that estimate,
+ahead of the least-loaded other replica), so the debt of charges made at a too-low estimate is
+forgiven once it measures fast, while a replica that stays slow keeps paying its full charge. A
+worker that enters — newly discovered, or back from a ban — is placed level with the most-loaded
+replica present, never at zero, so it is not flooded. Failed workers are banned for
+``trainers.ban_s`` seconds; workers that discovery no longer lists are dropped.
 
 Pure: no networking and no clock of its own (every call takes ``now``), so the in-process
 simulator reuses it as is. The backward pass does not come here: it is pinned to the worker that
