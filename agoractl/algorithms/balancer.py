@@ -4,10 +4,15 @@ Each forward goes to the worker at the top of the heap (the least virtual runtim
 worker charges it up front with the task's estimated cost, ``task size / measured throughput``, so
 the key is a cumulative, speed-weighted account of the work each replica was given and faster
 replicas draw more tasks. Every completed call updates the worker's throughput estimate (an
-exponential moving average of samples per second). A worker that enters — newly discovered, or
-back from a ban — is placed level with the most-loaded replica present, never at zero, so it is
-not flooded. Failed workers are banned for ``trainers.ban_s`` seconds; workers that discovery no
-longer lists are dropped.
+exponential moving average of samples per second). One measurement cannot starve a replica: a
+worker's first measurement is blended with what its measured peers of the stage do (a first call is
+often slow: connection set-up, a loaded host), not taken alone; and a completed call settles the
+worker's account at its updated estimate (its virtual runtime is at most one task, at that estimate,
+ahead of the least-loaded other replica), so the debt of charges made at a too-low estimate is
+forgiven once it measures fast, while a replica that stays slow keeps paying its full charge. A
+worker that enters — newly discovered, or back from a ban — is placed level with the most-loaded
+replica present, never at zero, so it is not flooded. Failed workers are banned for
+``trainers.ban_s`` seconds; workers that discovery no longer lists are dropped.
 
 Pure: no networking and no clock of its own (every call takes ``now``), so the in-process
 simulator reuses it as is. The backward pass does not come here: it is pinned to the worker that
@@ -126,15 +131,30 @@ class Balancer:
     # -- outcomes -----------------------------------------------------------------------------
 
     def record_success(self, peer: str, task_size: float, elapsed_s: float) -> None:
-        """A call to `peer` of `task_size` samples took `elapsed_s` seconds: update its throughput."""
+        """A call to `peer` of `task_size` samples took `elapsed_s` seconds: update its throughput and settle
+        its account.
+
+        The estimate is a moving average; a first measurement starts from the median of the stage's measured
+        peers (the sample alone when none is measured yet), so one slow call cannot price a replica out.
+        Settling: a worker is never more than one task (at its updated estimate) ahead of the least-loaded
+        other available worker, the most it can lead when its charges were right (it was chosen as the
+        minimum, then charged once); a lead beyond that came from charges at a too-low estimate.
+        """
         w = self.workers.get(peer)
         if w is None or elapsed_s <= 0:
             return
         sample = task_size / elapsed_s
-        if w.measured:
-            w.throughput = self.ema_alpha * sample + (1 - self.ema_alpha) * w.throughput
-        else:
-            w.throughput, w.measured = sample, True
+        if not w.measured:
+            peers = sorted(o.throughput for o in self.workers.values() if o.measured and o is not w)
+            w.throughput = peers[len(peers) // 2] if peers else sample
+            w.measured = True
+        w.throughput = self.ema_alpha * sample + (1 - self.ema_alpha) * w.throughput
+        others = [o.vruntime for o in self.workers.values() if o is not w and o.banned_until == float("-inf")]
+        if others:
+            cap = min(others) + task_size / max(w.throughput, 1e-9)
+            if w.vruntime > cap:
+                w.vruntime = cap
+                self._push(peer, cap)
 
     def ban(self, peer: str, now: float, duration: Optional[float] = None) -> None:
         """Skip `peer` for `duration` seconds (default ban_s; counted in :attr:`bans`). Unknown peers are

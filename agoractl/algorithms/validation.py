@@ -43,6 +43,8 @@ WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 """Dtypes a boundary tensor may travel in (as :data:`agoractl.model.codec.WIRE_DTYPES`)."""
 ID_DTYPES = (torch.int32, torch.int64)
 _WIRE_DTYPE_SET, _ID_DTYPE_SET = frozenset(WIRE_DTYPES.values()), frozenset(ID_DTYPES)
+LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_LOSS_DTYPE_SET = frozenset(LOSS_DTYPES)
 RMS_FLOOR = 1e-12
 """Least RMS a bound is derived from (an all-zero history must not reject every non-zero value)."""
 
@@ -239,18 +241,23 @@ def loss_bound(vocab_size: int, multiple: float) -> float:
 
 def check_losses(losses, n: int, vocab_size: int, multiple: float) -> None:
     """Raise :class:`Invalid` unless `losses` holds `n` finite per-sample losses in [0, loss_bound]."""
-    check_tensor("loss", losses, None, (torch.float32, torch.float64, torch.bfloat16, torch.float16), finite=False)
+    if not isinstance(losses, torch.Tensor) or losses.dtype not in _LOSS_DTYPE_SET:
+        check_tensor("loss", losses, None, LOSS_DTYPES, finite=False)  # raises, naming the problem
     values = (losses if losses.dim() == 1 else losses.reshape(-1)).tolist()  # a few numbers: checked in Python
     if len(values) != n:
         raise Invalid("shape", f"loss has {len(values)} value(s) for {n} sample(s)")
+    top = loss_bound(vocab_size, multiple)
+    for v in values:  # one comparison per value on the fast path: NaN fails both, inf the upper one
+        if not -1e-4 <= v <= top:
+            break
+    else:
+        return
     bad = sum(not math.isfinite(v) for v in values)
     if bad:
         raise Invalid("non_finite", f"loss holds {bad} non-finite value(s) (NaN or inf) of {n}")
-    top = loss_bound(vocab_size, multiple)
-    low, high = min(values, default=0.0), max(values, default=0.0)
-    if low < -1e-4 or high > top:
-        raise Invalid("loss", f"loss {high if high > top else low:.4g} is outside [0, {top:.4g}] "
-                              f"({multiple:g} x ln(vocab_size))")
+    low, high = min(values), max(values)
+    raise Invalid("loss", f"loss {high if high > top else low:.4g} is outside [0, {top:.4g}] "
+                          f"({multiple:g} x ln(vocab_size))")
 
 
 def rms(t: torch.Tensor) -> float:
@@ -340,7 +347,7 @@ class ReplyChecks:
     def check(self, stage: str, method: str, sent: dict, out: dict, meta: dict) -> None:
         """Raise :class:`Invalid` naming the first problem of the reply `out`/`meta` to request `sent`."""
         ids = sent["ids"]
-        n, length = int(ids.shape[0]), int(ids.shape[1]) - 1
+        n, length = ids.shape[0], ids.shape[1] - 1  # torch.Size holds ints
         accepted: list[tuple[NormTracker, list[float]]] = []
         if method == "forward":
             wire = out.get("wire")

@@ -87,3 +87,43 @@ def test_task_size_is_charged_by_throughput():
     assert b.workers["a"].vruntime == 2.0
     assert b.choose(0, task_size=1.0) == "b"
     assert b.choose(0, task_size=1.0) == "b"  # b at 0.5 < a at 2.0
+
+
+def drive_timed(b: Balancer, n: int, elapsed) -> list[str]:
+    """Choose n times; the k-th call (from 1) of a chosen worker takes elapsed(peer, k) seconds for one sample."""
+    calls, got = Counter(), []
+    for _ in range(n):
+        peer = b.choose(0)
+        calls[peer] += 1
+        got.append(peer)
+        b.record_success(peer, 1.0, elapsed(peer, calls[peer]))
+    return got
+
+
+def test_one_slow_first_call_does_not_starve_a_replica():
+    # c's first call is 10x slow (connection set-up on a loaded host), then it is as fast as its peers: its first
+    # measurement is blended with its measured peers', so it is not charged 10x on every later choice
+    b = Balancer(ban_s=10)
+    b.update({"a": None, "b": None, "c": None}, now=0)
+    got = drive_timed(b, 60, lambda peer, k: 1.0 if (peer, k) == ("c", 1) else 0.1)
+    later = Counter(got[10:])
+    assert later["c"] >= 0.8 * 50 / 3, later  # a fair share from the 10th choice on (old rule: 5 of 50)
+
+
+def test_a_truly_slow_replica_still_gets_less():
+    b = Balancer(ban_s=10)
+    b.update({"a": None, "b": None, "c": None}, now=0)
+    got = drive_timed(b, 400, lambda peer, k: 1.0 if peer == "c" else 0.1)
+    later = Counter(got[200:])
+    assert later["c"] < later["a"] / 5 and later["c"] < later["b"] / 5, later
+
+
+def test_a_replica_charged_at_a_too_low_estimate_is_not_left_behind_once_fast():
+    # b was 100x slower than a for a long while (a GC storm, a co-tenant), so its estimate fell to 1/100 of a's
+    # and its last charge is 100 of a's tasks; once its calls are fast its account is settled at the new
+    # estimate, instead of a working off that debt first
+    b = Balancer(ban_s=10)
+    b.update({"a": None, "b": None}, now=0)
+    drive_timed(b, 400, lambda peer, k: 10.0 if peer == "b" else 0.1)
+    got = Counter(drive_timed(b, 100, lambda peer, k: 0.1))
+    assert got["b"] >= 20, got  # without settling: 1 of 100

@@ -157,6 +157,9 @@ def test_losses_legitimately_large_early_in_training_pass():
     check_losses(torch.tensor([first, first * 2]), 2, vocab, multiple=10)
     check_losses(torch.tensor([0.0]), 1, vocab, multiple=10)
     assert reason(check_losses, torch.tensor([NAN]), 1, vocab, 10) == "non_finite"
+    assert reason(check_losses, torch.tensor([1.0, float("inf")]), 2, vocab, 10) == "non_finite"
+    assert reason(check_losses, torch.tensor([float("-inf")]), 1, vocab, 10) == "non_finite"
+    assert reason(check_losses, torch.tensor([1, 2], dtype=torch.int32), 2, vocab, 10) == "dtype"
     assert reason(check_losses, torch.tensor([loss_bound(vocab, 10) + 1]), 1, vocab, 10) == "loss"
     assert reason(check_losses, torch.tensor([-1.0]), 1, vocab, 10) == "loss"
     assert reason(check_losses, torch.tensor([1.0, 2.0]), 1, vocab, 10) == "shape"
