@@ -278,7 +278,6 @@ class Trainer:
                 position, source = self.positions.position_for(self.resume_step, running)
                 self.resumed = {"step": self.resume_step, "source": source}
                 self.log.info("data position", **self.resumed)
-            # A signal also ends the wait for a first shard (all of them held by other trainers).
             self._stream = trainer_stream(self.run, self.index, position, interrupt=self.stop.is_set)
             self._stream.interrupt = lambda: self.stop.is_set() or self.finished()
             if getattr(self._stream, "claims", None) is not None:
