@@ -122,21 +122,21 @@ class WorkerNode:
         position = (None if joined_at or resume_step is not None or fresh
                     else run_position(p for s in run.stage_names() if s != stage
                                       for p in self.records.stage_progress(s).values()))
+        from agoractl.training.stage_resume import rejoin_stage, resume_stage
+
         if joined_at:
             self.log.info("joining a running stage", stage=stage, step=joined_at)
-        elif position is not None:
-            from agoractl.training.stage_resume import rejoin_stage
-
-            try:
-                self.resumed = rejoin_stage(run, stage, position.step, position.seen)
+        if joined_at and run.data_parallel.method == "none" or position is not None:
+            try:  # a pure pipeline's stage has no averager to serve a peer's state: the store's newest
+                self.resumed = (rejoin_stage(run, stage, joined_at, 0, action="join") if joined_at
+                                else rejoin_stage(run, stage, position.step, position.seen))
             except BaseException:
                 node.shutdown_dht(self.dht)
                 raise
-            self.log.warning("stage had no live replica: rejoining at the run's step", stage=stage,
-                             **self.resumed.facts())
-        else:
-            from agoractl.training.stage_resume import resume_stage
-
+            if position is not None:
+                self.log.warning("stage had no live replica: rejoining at the run's step", stage=stage,
+                                 **self.resumed.facts())
+        elif not joined_at:
             try:
                 self.resumed = resume_stage(run, stage, resume_step, fresh, force)
             except BaseException:
@@ -171,7 +171,7 @@ class WorkerNode:
                 self.data_parallel.rounds.restore(self.resumed.outer_state(), self.resumed.step)
         else:  # a pure pipeline: checkpoints only
             self.data_parallel = PipelineWrites(run, self.worker, self.peer)
-        if self.resumed is not None and (self.resumed.checkpoint is not None or position is not None):
+        if self.resumed is not None and (self.resumed.checkpoint is not None or position is not None or joined_at):
             self.data_parallel.join_facts = self.resumed.facts()
         self.metrics = NodeMetrics(run, "worker", stage, node_key.instance_id(node_key.load_or_create()),
                                    worker_sample(self))

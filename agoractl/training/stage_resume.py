@@ -61,6 +61,7 @@ class StageRejoin:
     seen: int
     checkpoint: Optional[Checkpoint]
     store: str
+    action: str = "rejoin"  # "join": a pure pipeline's stage, its last replica's record not expired yet
 
     @property
     def loaded_step(self) -> int:
@@ -68,7 +69,7 @@ class StageRejoin:
 
     def facts(self) -> dict[str, Any]:
         return {"source": "store" if self.checkpoint is not None else "init", "loaded_step": self.loaded_step,
-                "stale_steps": self.step - self.loaded_step, "action": "rejoin", "store": self.store}
+                "stale_steps": self.step - self.loaded_step, "action": self.action, "store": self.store}
 
     def outer_state(self) -> Optional[dict]:
         """FGDiLoCo's outer state from a checkpoint at the run's step (a run restarting, this worker late);
@@ -102,10 +103,10 @@ def resume_stage(run: Run, stage: str, resume_step: Optional[int] = None, fresh:
     return StageResume(plan, checkpoint)
 
 
-def rejoin_stage(run: Run, stage: str, step: int, seen: int) -> StageRejoin:
+def rejoin_stage(run: Run, stage: str, step: int, seen: int, action: str = "rejoin") -> StageRejoin:
     """`stage` rejoins the run at `step` with `seen` samples: the store's newest checkpoint of the stage at
     or before `step` is loaded (none: initial weights)."""
     store = CheckpointStore(run)
     steps = [s for s in store.steps(stage) if s <= step]
     checkpoint = store.load(stage, max(steps)) if steps else None
-    return StageRejoin(int(step), int(seen), checkpoint, run.checkpoints.store)
+    return StageRejoin(int(step), int(seen), checkpoint, run.checkpoints.store, action)

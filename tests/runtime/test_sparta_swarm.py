@@ -412,8 +412,11 @@ def logged(path: Path, event: str) -> list[dict]:
 def test_joining_worker_passes_both_sync_phases_then_contributes(scenario):
     j = scenario.stats("J")
     assert j["join"]["stage_step"] >= 20  # the stage's step when J joined, as J read it from the DHT
-    seen = [p for p, _ in scenario.phases[scenario.peers["J"]]]
-    assert seen[:3] == ["weight_sync", "optimizer_sync", "active"], scenario.phases[scenario.peers["J"]]
+    # Its DHT record showed weight_sync first (trainers skip it then) and active last; optimizer_sync can
+    # fall between two reads of this 1 s watcher on a quiet machine (5 fast steps), J's own history has it.
+    seen = list(dict.fromkeys(p for p, _ in scenario.phases[scenario.peers["J"]]))
+    assert seen in (["weight_sync", "optimizer_sync", "active"], ["weight_sync", "active"]), \
+        scenario.phases[scenario.peers["J"]]
     assert j["join"]["source"] == "store" and j["join"]["loaded_step"] == 20 and j["join"]["stale_steps"] > 0
     assert [p for p, _ in j["phases"]] == ["weight_sync", "optimizer_sync", "active"]
     active_at = j["phases"][2][1]

@@ -42,7 +42,7 @@ SMALL = TINY + ["stages=[{role: head, layers: 2}, {role: tail, layers: 2}]", "mo
                 "training.global_batch_size=4", "workers.max_microbatch=4",
                 "local.workers_per_stage=1", "local.trainers=1", "trainers.count=1", "local.restart_backoff_s=0.5"]
 STALL_S = 20
-MAX_STEPS = 100
+MAX_STEPS = 300
 
 
 @pytest.fixture
@@ -96,7 +96,8 @@ def test_killed_tail_worker_is_replaced_twice_and_the_run_reaches_max_steps(samp
     last = [w for w in r["workers"] if w["stage"] == "tail" and not w["killed"]]
     assert len(last) == 1 and last[0]["step"] == MAX_STEPS, r["workers"]
     join = last[0]["join"]
-    assert join["action"] == "rejoin" and join["source"] == "store" and join["loaded_step"] % 10 == 0, join
+    # (action "join" when the killed worker's progress record had not expired yet: its step, same checkpoint)
+    assert join["action"] in ("rejoin", "join") and join["source"] == "store" and join["loaded_step"] % 10 == 0, join
     assert join["loaded_step"] <= join["loaded_step"] + join["stale_steps"] < MAX_STEPS, join
     err = swarm_err(run_dir)
     assert "worker-tail-0 killed by SIGKILL; starting it again" in err
