@@ -100,16 +100,21 @@ def test_assign_parameters_round_trips():
     assert torch.allclose(flat_parameters(model), flat * 2)
 
 
-def test_pipeline_with_one_replica_matches_the_monolithic_model():
-    # Routing through the stage modules (with the SSN codec on the boundary) computes the whole model.
-    run = tiny_run()
+def pipeline_and_monolithic_loss(run):
+    """(the one-replica pipeline simulation's loss, the monolithic model's loss, that model) on 2 samples."""
     sim = PipelineSim(run, replicas=1)
     model = build_model(run)
     samples = Batcher(lesson_sequences(run)).take(2)
     inputs, labels = split_sample(samples)
     with torch.no_grad():
         expected = float(lm_loss(model(inputs), labels))
-    assert sim.microbatch(samples) == pytest.approx(expected, rel=1e-5)
+    return sim.microbatch(samples), expected, model
+
+
+def test_pipeline_with_one_replica_matches_the_monolithic_model():
+    # Routing through the stage modules (with the SSN codec on the boundary) computes the whole model.
+    sim, expected, _ = pipeline_and_monolithic_loss(tiny_run())
+    assert sim == pytest.approx(expected, rel=1e-5)
 
 
 def test_stochastic_backward_with_one_replica_equals_pinned():
@@ -199,12 +204,7 @@ def test_a_whole_stage_runs_in_both_simulations():
     # One stage of role whole: the pipeline simulation is the monolithic model, and a FGDiLoCo replica
     # clips the whole model as one group at 1/sqrt(1) = 1 (what central's global clipping does).
     run = tiny_run("stages=[{role: whole, layers: 2}]")
-    sim = PipelineSim(run, replicas=1)
-    model = build_model(run)
-    samples = Batcher(lesson_sequences(run)).take(2)
-    inputs, labels = split_sample(samples)
-    with torch.no_grad():
-        expected = float(lm_loss(model(inputs), labels))
-    assert sim.microbatch(samples) == pytest.approx(expected, rel=1e-6)
+    sim, expected, model = pipeline_and_monolithic_loss(run)
+    assert sim == pytest.approx(expected, rel=1e-6)
     (params, threshold), = Replica(run).groups
     assert len(params) == len(list(model.parameters())) and threshold == 1.0
