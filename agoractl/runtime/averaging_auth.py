@@ -38,7 +38,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from agoractl.auth import keys
-from agoractl.auth.credential import REFUSALS, CredentialRefused, verify
+from agoractl.auth.credential import REFUSALS, CredentialRefused, Verifier
 from agoractl.runtime.averaging import StageAverager, stage_averager
 
 SURFACES = ("averaging_credential", "averaging_join", "averaging_part", "averaging_state", "averaging_callee")
@@ -69,7 +69,7 @@ class AdmittedAverager(StageAverager):
         self._auth_shared = mp.Array(ctypes.c_char, _SLOT)
         self._auth_version = mp.Value(ctypes.c_int64, 0)
         self._auth_counts = mp.Array(ctypes.c_int64, 1 + len(SURFACES) * len(REFUSALS))
-        self._auth_seen, self._auth_token, self._auth_bans, self._public = -1, None, frozenset(), None
+        self._auth_seen, self._auth_token, self._auth_bans, self._verifier = -1, None, frozenset(), None
         self._presented: collections.OrderedDict[str, Optional[str]] = collections.OrderedDict()
         """Averager process: the credential each caller presented last (bounded; oldest forgotten first)."""
         self._told: dict[str, tuple[Optional[str], float]] = {}
@@ -116,13 +116,13 @@ class AdmittedAverager(StageAverager):
     def _check(self, surface: str, peer: str, token: Optional[str]) -> None:
         """Refuse (PermissionError, counted) unless `token` is a valid credential of a worker of this stage
         bound to `peer`."""
-        if self._public is None:
-            self._public = keys.parse_public(self.public_text)
+        if self._verifier is None:
+            self._verifier = Verifier(keys.parse_public(self.public_text))
         _, bans = self._own()
         with self._auth_counts.get_lock():
             self._auth_counts[0] += 1
         try:
-            verify(token, self._public, run=self.run_name, peer_id=peer, role="worker", stage=self.stage,
+            self._verifier.verify(token, run=self.run_name, peer_id=peer, role="worker", stage=self.stage,
                    banned=bans)
         except CredentialRefused as e:
             with self._auth_counts.get_lock():

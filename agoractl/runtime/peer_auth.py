@@ -39,6 +39,7 @@ class PeerAuth:
 
     def __init__(self, run: str, public_text: str) -> None:
         self.run, self.public_text, self.public = run, public_text, keys.parse_public(public_text)
+        self.verifier = credential.Verifier(self.public)
         self.bans: frozenset[str] = frozenset()
         self.refusals: collections.Counter = collections.Counter()
         self.checked = 0
@@ -49,8 +50,8 @@ class PeerAuth:
         with self._lock:
             self.checked += 1
         try:
-            return credential.verify(token, self.public, run=self.run, peer_id=peer_id, role=role, stage=stage,
-                                     banned=self.bans)
+            return self.verifier.verify(token, run=self.run, peer_id=peer_id, role=role, stage=stage,
+                                        banned=self.bans)
         except CredentialRefused as e:
             with self._lock:
                 self.refusals[f"{surface}:{e.reason}"] += 1
@@ -85,10 +86,10 @@ class CredentialValidator(RecordValidatorBase):
         self.bans: frozenset[str] = frozenset()
         self.refused: dict[str, int] = {}
         self.checked = 0
-        self._public = None
+        self._verifier = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_public": None}
+        return {**self.__dict__, "_verifier": None}
 
     def sign_value(self, record: DHTRecord) -> bytes:
         token = (self.token or "").encode()
@@ -99,8 +100,8 @@ class CredentialValidator(RecordValidatorBase):
         return record.value[6 + n:]
 
     def validate(self, record: DHTRecord) -> bool:
-        if self._public is None:
-            self._public = keys.parse_public(self.public_text)
+        if self._verifier is None:
+            self._verifier = credential.Verifier(keys.parse_public(self.public_text))
         value, token = record.value, None
         if value.startswith(MAGIC) and len(value) >= 6:
             n = int.from_bytes(value[4:6], "big")
@@ -114,8 +115,8 @@ class CredentialValidator(RecordValidatorBase):
             peer = peer if isinstance(peer, str) else ""
         self.checked += 1
         try:
-            credential.verify(token, self._public, run=self.run, peer_id=peer,
-                              role="trainer" if record.key == self._trainers else None, banned=self.bans)
+            self._verifier.verify(token, run=self.run, peer_id=peer,
+                                role="trainer" if record.key == self._trainers else None, banned=self.bans)
         except CredentialRefused as e:
             self.refused[e.reason] = self.refused.get(e.reason, 0) + 1
             return False

@@ -1,4 +1,5 @@
-"""Credentials (in-memory, no network): every refusal has its own reason, and a valid one round-trips."""
+"""Credentials (in-memory, no network): every refusal has its own reason, and a valid one round-trips; a
+:class:`~agoractl.auth.credential.Verifier` (signatures remembered per token) refuses exactly what ``verify`` does."""
 
 from __future__ import annotations
 
@@ -17,11 +18,21 @@ def token(**kw) -> str:
     return credential.issue(KEY, **{**args, **kw})
 
 
-def reason(tok, **kw) -> str:
-    args = dict(run="run", peer_id="12D3KooWA", role="worker", stage="body-1")
-    with pytest.raises(CredentialRefused) as e:
-        credential.verify(tok, PUB, **{**args, **kw})
-    return e.value.reason
+VERIFIER = credential.Verifier(PUB)
+"""One for the whole module: tokens it has seen before are checked from its memory of their signature."""
+
+
+@pytest.fixture(params=["verify", "Verifier"])
+def reason(request):
+    def reason(tok, **kw) -> str:
+        args = dict(run="run", peer_id="12D3KooWA", role="worker", stage="body-1")
+        with pytest.raises(CredentialRefused) as e:
+            if request.param == "verify":
+                credential.verify(tok, PUB, **{**args, **kw})
+            else:
+                VERIFIER.verify(tok, **{**args, **kw})
+        return e.value.reason
+    return reason
 
 
 def test_valid_credential_round_trips():
@@ -30,7 +41,7 @@ def test_valid_credential_round_trips():
     assert cred.expires_at - cred.issued_at == 60
 
 
-def test_each_failure_has_its_reason():
+def test_each_failure_has_its_reason(reason):
     good = token()
     assert reason(None) == "missing"
     assert reason("") == "missing"
@@ -50,6 +61,32 @@ def test_each_failure_has_its_reason():
     assert reason(good, banned=["alice"]) == "banned"
     assert set(credential.REFUSALS) == {"missing", "malformed", "other_authority", "forged", "wrong_peer", "expired",
                                         "wrong_run", "wrong_role", "wrong_stage", "banned"}
+
+
+def test_a_remembered_signature_still_expires_and_is_banned_and_a_forged_one_is_never_remembered():
+    verifier = credential.Verifier(PUB)
+    good = token(ttl_s=60)
+    cred = verifier.verify(good, run="run", peer_id="12D3KooWA", role="worker", stage="body-1")
+    assert verifier._signed == {good: cred}
+    for kw, why in ((dict(now=cred.expires_at), "expired"), (dict(banned=frozenset({"alice"})), "banned"),
+                    (dict(peer_id="12D3KooWB"), "wrong_peer"), (dict(stage="tail"), "wrong_stage")):
+        with pytest.raises(CredentialRefused) as e:
+            verifier.verify(good, **{**dict(run="run", peer_id="12D3KooWA", role="worker", stage="body-1"), **kw})
+        assert e.value.reason == why
+    forged = credential.tampered(good, stage="tail")
+    for _ in range(2):
+        with pytest.raises(CredentialRefused, match="forged"):
+            verifier.verify(forged, run="run", peer_id="12D3KooWA", role="worker", stage="tail")
+    assert forged not in verifier._signed
+    other = credential.issue(keys.generate(), run="run", node_id="w1", account="a", role="worker", stage="body-1",
+                             peer_id="12D3KooWA", ttl_s=60, serial=1)
+    with pytest.raises(CredentialRefused, match="other_authority"):
+        verifier.verify(other, run="run", peer_id="12D3KooWA")
+    assert list(verifier._signed) == [good]
+    verifier.REMEMBERED = 1  # full: forgotten, then the new one remembered
+    second = token(serial=8)
+    verifier.verify(second, run="run", peer_id="12D3KooWA")
+    assert list(verifier._signed) == [second]
 
 
 def test_admin_token_has_no_peer_and_role_admin():
