@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli_runs import ROOT, agoractl, sets
+from cli_runs import ROOT, agoractl, sets, unread
 
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
@@ -64,6 +64,7 @@ def main() -> None:
             for side in ("off", "on"):
                 extra = ADMISSION if side == "on" else []
                 own = tmp / f"{side}-{i}"  # every artefact stays in the temporary directory; a fresh store each
+                unread(tmp / "shards")  # every run trains the same samples, from the data's beginning
                 report = agoractl("launch", "swarm", str(MANIFEST),
                                   *sets(base + extra + [f"local.run_dir={own}", f"checkpoints.store={own / 'store'}"]))
                 runs[side].append(report["tokens_per_s"])

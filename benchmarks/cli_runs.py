@@ -6,6 +6,7 @@ then first on ``sys.path``)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,10 @@ def agoractl(*args: str, timeout: float = 1800) -> dict:
 def sets(values: list[str]) -> list[str]:
     """`--set v` for each manifest override v."""
     return [a for v in values for a in ("--set", v)]
+
+
+def unread(shards: Path) -> None:
+    """Forget every claim on the shards at `shards` (``<data.output>/claims``, the run's data ledger), so that
+    the next run reads the data from its beginning: runs of one benchmark then train the same samples, and
+    many runs never exhaust the data's epochs (a trainer with no shard left ends the run)."""
+    shutil.rmtree(Path(shards) / "claims", ignore_errors=True)

@@ -65,7 +65,7 @@ def kill_group(pid: int) -> None:
 def run_once(work: Path, data: list[str], steps: int, faulty: bool, timeout_s: float) -> dict:
     """One swarm run (with the faulty workers if `faulty`); returns its report, less the bulky parts."""
     run_dir = work / "run"
-    shutil.copytree(work.parent / "shards", work / "shards", ignore=shutil.ignore_patterns("ledger.json", "progress"))
+    shutil.copytree(work.parent / "shards", work / "shards", ignore=shutil.ignore_patterns("claims"))
     values = [*data, f"data.output={work / 'shards'}", *SWARM, f"training.max_steps={steps}",
               f"local.start_with_workers={3 if faulty else 2}", f"checkpoints.store={work / 'store'}"]
     status = run_dir / "swarm" / "status.json"

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli_runs import ROOT, agoractl, sets
+from cli_runs import ROOT, agoractl, sets, unread
 
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 
@@ -53,6 +53,7 @@ def main() -> None:
         for i in range(args.repeats):
             for side in ("off", "on"):
                 where = tmp / f"{side}-{i}"
+                unread(tmp / "shards")  # every run trains the same samples, from the data's beginning
                 report = agoractl("launch", "swarm", str(MANIFEST),
                                   *sets(base + (on if side == "on" else []) +
                                         [f"local.run_dir={where}", f"checkpoints.store={where / 'store'}"]))
