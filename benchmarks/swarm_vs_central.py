@@ -32,6 +32,7 @@ import argparse
 import bisect
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,8 +40,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-
-from cli_runs import unread
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("local-cpu.yaml", "bench-cpu.yaml")
@@ -215,7 +214,8 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
         frugal.append(max(tries, key=tokens_per_cpu_s))
         arms = [(swarm, "swarm", [])] + ([(alt, "swarm --alt-set", alt_sets)] if alt_sets else [])
         for runs, label, extra in arms if i % 2 == 0 else arms[::-1]:  # the arms' order alternates too
-            unread(Path(tmp) / f"shards-{name}")  # from the data's beginning, as central reads it
+            # from the data's beginning, as central reads it: forget the claims ledger (cli_runs.unread)
+            shutil.rmtree(Path(tmp) / f"shards-{name}" / "claims", ignore_errors=True)
             runs.append(agoractl("launch", "swarm", str(manifest), *sets, *extra))
             print(f"{name} {label} run {i + 1}: {runs[-1]['tokens_per_s']:,.0f} tokens/s, "
                   f"{tokens_per_cpu_s(runs[-1]):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
