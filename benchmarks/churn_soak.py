@@ -8,9 +8,10 @@ batch from the same corpus. With ``--hosts`` every node runs on its own emulated
 of the test suite: it takes the whole duration plus the central run.
 
 JSON: ``swarm_final_loss`` and ``central_final_loss`` (mean of the last 5 steps' losses at equal tokens),
-``loss_gap_pct`` (swarm over central, in %), ``steps``, ``tokens``, ``samples_lost``, ``averaging_rounds``
-and ``averaging_success`` (per stage), ``replacements`` (churn events) and ``joins_completed`` (newcomers
-whose DHT record served before the end).
+``loss_gap_pct`` (swarm over central, in %), the same over the last 50 steps (``*_last_50``: steadier),
+``steps``, ``tokens``, ``samples_lost``, ``end_reason``, ``averaging_rounds`` and ``averaging_success`` (per
+stage), ``replacements`` (churn events) and ``joins_completed`` (newcomers whose DHT record served before the
+end). Central trains in a store of its own.
 
     python benchmarks/churn_soak.py --json
     python benchmarks/churn_soak.py --minutes 5 --every 20 --json
@@ -78,15 +79,21 @@ def main() -> None:
         steps = int(report["steps"])
         central = json.loads(subprocess.run(
             [*agoractl, "launch", "central", str(MANIFEST), *sets, "--set", f"training.max_steps={steps}",
-             "--set", f"local.run_dir={tmp / 'central'}", "--json"],
+             "--set", f"local.run_dir={tmp / 'central'}", "--set", f"checkpoints.store={tmp / 'central-store'}",
+             "--json"],
             capture_output=True, text=True, check=True, cwd=ROOT).stdout)
     swarm_loss, central_loss = final_loss(report, steps), final_loss(central, steps)
+    # a step's loss is the mean over its 8 samples: the last 5 steps are 40 samples; 50 steps are steadier
+    swarm_50, central_50 = final_loss(report, steps, 50), final_loss(central, steps, 50)
     result = {
         "minutes": args.minutes, "every_s": args.every, "hosts": args.hosts, "steps": steps,
         "tokens": report.get("tokens"), "swarm_final_loss": swarm_loss, "central_final_loss": central_loss,
         "loss_gap_pct": round(100 * (swarm_loss - central_loss) / central_loss, 2) if swarm_loss and central_loss
         else None,
-        "samples_lost": report.get("samples_lost"),
+        "swarm_loss_last_50": swarm_50, "central_loss_last_50": central_50,
+        "loss_gap_pct_last_50": round(100 * (swarm_50 - central_50) / central_50, 2) if swarm_50 and central_50
+        else None,
+        "samples_lost": report.get("samples_lost"), "end_reason": report.get("end_reason"),
         "averaging_rounds": {s["name"]: s.get("averaging_rounds") for s in report.get("stages", [])},
         "averaging_success": {s["name"]: s.get("averaging_success_mean") for s in report.get("stages", [])},
         "replacements": sum(e.get("event") == "replaced" for e in events),
