@@ -81,8 +81,8 @@ def predicted_tokens_per_s(values: list[str], mbps: float, workers: int) -> floa
 
 def cell(args, tmp: Path, mbps: float, rtt: float) -> dict:
     run_dir = tmp / f"cell-{mbps:g}-{rtt:g}"
-    # each cell reads its own copy of the shards: its trainer's ledger and progress start afresh
-    shutil.copytree(tmp / "shards", run_dir / "shards", ignore=shutil.ignore_patterns("ledger.json", "progress"))
+    # each cell reads its own copy of the shards, without claims: its trainer reads from the beginning
+    shutil.copytree(tmp / "shards", run_dir / "shards", ignore=shutil.ignore_patterns("claims"))
     data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={run_dir / 'shards'}", "data.num_shards=4"]
     values = base_settings(args, data, run_dir) + [
         f"local.hosts.shaping=[{{kind: worker, role: contributor, bandwidth_mbps: {mbps}, rtt_ms: {rtt}}}]"]
