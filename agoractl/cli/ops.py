@@ -165,7 +165,7 @@ def churn(
         target = churning.pick([w for w in churning.live_workers(status) if stage in (None, w.get("stage"))], rng)
         if target is None:
             log({"event": "skipped", "t_s": round(time.monotonic() - start, 1),
-                 "why": "no stage has two live workers (or the swarm ended)"})
+                 "why": "no stage has two serving workers (a newcomer still joining, or the swarm ended)"})
             continue
         answer = churning.request(Path(run.local.run_dir), target["name"], answer_timeout_s, status_file)
         if answer is None and not churning.launcher_alive(churning.read_status(status_file)):

@@ -116,6 +116,14 @@ def events(swarm) -> list[dict]:
 # -- the client's side (ops churn) ---------------------------------------------------------------
 
 
+def node_status(nodes, snap) -> list[dict]:
+    """The launcher's nodes as ``status.json`` lists them; a worker's ``serving``: whether its DHT record (in the
+    launcher's last look, `snap`) says it serves, i.e. it has joined (a newcomer in weight sync does not)."""
+    serving = {r.pid for recs in snap.workers.values() for r in recs.values() if r.phase in SERVING_PHASES}
+    return [{"name": n.name, "kind": n.kind, "stage": n.stage, "pid": n.proc.pid, "exit_code": n.poll(),
+             **({"serving": n.proc.pid in serving} if n.kind == "worker" else {})} for n in nodes]
+
+
 def live_workers(status: dict) -> list[dict]:
     return [n for n in status.get("nodes", []) if n.get("kind") == "worker" and n.get("exit_code") is None]
 
@@ -175,9 +183,12 @@ def schedule(every_s: float, for_s: float, count: Optional[int]) -> list[float]:
 
 
 def pick(workers: list[dict], rng: random.Random) -> Optional[dict]:
-    """A random live worker, never the last live one of its stage."""
+    """A random serving worker of a stage where another one serves too: never the last serving worker of its
+    stage, and never a newcomer still joining (killing one would leave its stage without a joined worker, or
+    a join never completed). A status without ``serving`` (an older launcher) counts every live worker."""
     per_stage: dict = {}
     for w in workers:
-        per_stage.setdefault(w.get("stage"), []).append(w)
+        if w.get("serving", True):
+            per_stage.setdefault(w.get("stage"), []).append(w)
     eligible = [w for ws in per_stage.values() if len(ws) > 1 for w in ws]
     return rng.choice(eligible) if eligible else None

@@ -288,8 +288,7 @@ class Swarm:
         return {
             "maddrs": self.maddrs, "launcher_pid": os.getpid(),
             **({"hosts": self.hosts.describe(), "peer_maddrs": sorted(self.peer_maddrs)} if self.hosts else {}),
-            "nodes": [{"name": n.name, "kind": n.kind, "stage": n.stage, "pid": n.proc.pid, "exit_code": n.poll()}
-                      for n in self.nodes],
+            "nodes": churn.node_status(self.nodes, snap),
             "stages": stages, "step": steps, "max_steps": self.run.training.max_steps,
             "until_step": self.run.training.until_step,
             "loss": sum(losses) / len(losses) if losses else None,

@@ -23,6 +23,29 @@ def test_pick_never_takes_the_last_live_worker_of_a_stage():
     assert churn.pick(workers[:2], random.Random(0)) is None
 
 
+def test_pick_spares_a_stage_whose_newcomer_has_not_joined_yet():
+    """Two live workers of which one still joins (no serving record yet): killing either would leave the
+    stage without a joined worker, or a replacement that never joined; the other stage is picked."""
+    workers = [{"name": "worker-head-0", "stage": "head", "serving": True},
+               {"name": "worker-head-1.rc1", "stage": "head", "serving": False},
+               {"name": "worker-tail-0", "stage": "tail", "serving": True},
+               {"name": "worker-tail-1", "stage": "tail", "serving": True}]
+    assert {churn.pick(workers, random.Random(s))["name"] for s in range(20)} == {"worker-tail-0", "worker-tail-1"}
+    assert churn.pick(workers[:3], random.Random(0)) is None
+
+
+def test_status_marks_the_workers_that_serve():
+    """The launcher's status.json says which worker processes have a serving DHT record (by pid)."""
+    from types import SimpleNamespace as NS
+
+    def node(name, pid, kind="worker"):
+        return NS(name=name, kind=kind, stage="head", proc=NS(pid=pid), poll=lambda: None)
+
+    snap = NS(workers={"head": {"a": NS(pid=11, phase="active"), "b": NS(pid=12, phase="weight_sync")}})
+    out = churn.node_status([node("w0", 11), node("w1", 12), node("t0", 13, "trainer")], snap)
+    assert [n.get("serving") for n in out] == [True, False, None]
+
+
 def test_last_workers_of_a_stage_are_contributors():
     assert [churn.worker_role(f"worker-body-1-{i}", 3, 1) for i in range(3)] == ["operator", "operator", "contributor"]
     assert churn.worker_role("worker-body-1-2.r1", 3, 1) == "contributor"  # a restart keeps its role
