@@ -120,14 +120,14 @@ class Trainer:
             self.log.warning("discovery failed", stage=stage, error=self._dht_error)
             return
         self._dht_error = None
+        if not found:  # a read that missed (every live worker has a record): a stage is not dropped on it
+            return
         serving = {p: (r.throughput or None) for p, r in found.items() if r.phase in SERVING_PHASES}
         added, removed = self.balancers[stage].update(serving, time.monotonic())
         self.seen_workers[stage].update(serving)
-        if found:
-            self.seen_step[stage] = max(self.seen_step[stage], max(r.step for r in found.values()))
+        self.seen_step[stage] = max(self.seen_step[stage], max(r.step for r in found.values()))
         if added or removed:
-            self.log.info("workers changed", stage=stage, added=len(added), removed=len(removed),
-                          live=len(serving))
+            self.log.info("workers changed", stage=stage, added=len(added), removed=len(removed), live=len(serving))
 
     async def _discovery_loop(self) -> None:
         while not self.stop.is_set():

@@ -45,3 +45,32 @@ def test_a_trainer_without_a_stage_to_reach_says_so_and_ends(signals, tmp_path):
         assert '"finished_reason": "stalled: no sample completed' in (tmp_path / "trainer.json").read_text()
     finally:
         seed.shutdown()
+
+
+def test_an_empty_discovery_read_keeps_the_stages_workers(tmp_path):
+    """A DHT read that comes back empty (under latency or load; the hosts swarm under churn with trainers at
+    1000 ms RTT logged `live 0` for a stage for 2 s, twice, and lost samples on it) does not drop the stage's
+    workers: every live worker has a record, so an empty read is a miss; calls that fail ban the dead ones."""
+    import asyncio
+
+    import hivemind
+
+    from agoractl.runtime.records import WorkerRecord
+
+    seed = hivemind.DHT(start=True, startup_timeout=120)
+    trainer = None
+    try:
+        run = Run.model_validate({"network": {"startup_timeout_s": 120}})
+        trainer = Trainer(run, 0, [str(a) for a in seed.get_visible_maddrs()], samples=iter([]),
+                          stats_path=str(tmp_path / "trainer.json"))
+        trainer.records.announce_worker(WorkerRecord(peer="worker-a", stage="head", step=3), ttl_s=2)
+        asyncio.run(trainer.discover("head"))
+        assert list(trainer.balancers["head"].workers) == ["worker-a"] and trainer.seen_step["head"] == 3
+        time.sleep(2.5)  # the record expired: the next read finds nothing
+        assert trainer.records.stage_workers("head") == {}
+        asyncio.run(trainer.discover("head"))
+        assert list(trainer.balancers["head"].workers) == ["worker-a"]
+    finally:
+        if trainer is not None:
+            trainer.dht.shutdown()
+        seed.shutdown()
