@@ -5,7 +5,9 @@ model, no network) walks samples the way a trainer does — forward head → bod
 fused forward_backward, the backward back to the head, one sample per request (the report's
 default, the most checks per token) — in paired blocks, with and without the checks:
 
-- every request a worker receives (:func:`~agoractl.algorithms.validation.request_problem`);
+- every request a worker receives (:func:`~agoractl.algorithms.validation.request_problem`, as the
+  worker calls it: a backward to a worker with an activation cache has its ids and wire checked only
+  when the cache does not serve it, :func:`~agoractl.algorithms.validation.inputs_problem`);
 - every reply a trainer receives (:class:`~agoractl.algorithms.validation.ReplyChecks`: shape, dtype,
   finiteness, magnitude bound, losses).
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from agoractl.algorithms.validation import ReplyChecks, request_problem
+from agoractl.algorithms.validation import ReplyChecks, inputs_problem, request_problem
 from agoractl.manifest.loader import load_manifest
 from agoractl.training.worker import Task, Worker
 
@@ -76,7 +78,18 @@ def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int, timers_on
             return
         t0 = time.process_time()
         if not timers_only:
-            assert request_problem(method, ids, wire, grad, vocab, w.role_in_pipeline != "head") is None
+            assert request_problem(method, ids, wire, grad, vocab, w.role_in_pipeline != "head",
+                                   deferred=method == "backward" and w.cache is not None) is None
+        spent += time.process_time() - t0
+
+    def recomputed(w: Worker, wire) -> None:
+        """The deferred check of a backward the worker's cache did not serve (it runs before the recompute)."""
+        nonlocal spent
+        if checks is None:
+            return
+        t0 = time.process_time()
+        if not timers_only:
+            assert inputs_problem(ids, wire, vocab, w.role_in_pipeline != "head") is None
         spent += time.process_time() - t0
 
     wire, inputs = None, []
@@ -95,7 +108,10 @@ def walk(workers: list[Worker], checks, ids: torch.Tensor, vocab: int, timers_on
     for w, inp in reversed(list(zip(workers[:-1], inputs))):
         received(w, "backward", inp, grad)
         sent = {"ids": ids, "grad": grad, **({"wire": inp} if inp is not None else {})}
+        misses = w.cache.stats.misses if w.cache is not None else None
         out, meta = call(w, "backward", ids, inp, grad)
+        if misses is not None and w.cache.stats.misses > misses:
+            recomputed(w, inp)
         check(w, "backward", sent, out, meta)
         grad = out.get("grad")
     return spent

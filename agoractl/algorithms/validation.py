@@ -105,60 +105,65 @@ def check_tensor(name: str, t, shape: Optional[Sequence[Optional[int]]] = None,
         raise _non_finite(name, t)
 
 
-def request_problem(method: str, ids, wire, grad, vocab_size: int, needs_wire: bool) -> Optional[str]:
+def request_problem(method: str, ids, wire, grad, vocab_size: int, needs_wire: bool,
+                    deferred: bool = False) -> Optional[str]:
     """What is wrong with a stage request, in one line; None when the worker may compute it.
 
     `ids` [b, seq_len+1] token ids; `wire` the stage input [b, seq_len, width] (required when
     `needs_wire`); `grad` the gradient of the stage output (backward only). A valid request costs its
     structure in Python and one ``aminmax`` per tensor (the same operation for each: what a check costs
     between compute steps is mostly the number of distinct operations it runs); only a request that
-    fails is checked again value by value, to name the problem."""
-    tensors = _request_tensors(ids, wire if needs_wire else None, grad if method == "backward" else None,
-                               needs_wire, method == "backward")
-    if tensors is not None and _in_range(tensors, vocab_size):
-        return None
+    fails is checked again value by value, to name the problem.
+
+    `deferred` (a backward to a worker with an activation cache): the values of `ids` and `wire` are not
+    checked here — only their structure — but by :func:`inputs_problem` when the backward is not served
+    by the cache; a backward it serves runs on the graph of a forward whose identical ids and wire (the
+    cache's key is their digest) this worker checked already, and does not use the request's copies."""
+    backward = method == "backward"
+    # the fast path, inline (a function call per check counts: see rms_per_sample)
+    if (type(ids) is torch.Tensor and ids.dtype in _ID_DTYPE_SET and ids.dim() == 2
+            and (not needs_wire or _fits(wire, ids)) and (not backward or _fits(grad, ids))):
+        if deferred and backward:
+            if grad.numel() == 0 or _finite(grad):
+                return None
+        elif ((ids.numel() == 0 or _ids_in_range(ids, vocab_size))
+                and (not needs_wire or wire.numel() == 0 or _finite(wire))
+                and (not backward or grad.numel() == 0 or _finite(grad))):
+            return None
     try:
         check_tensor("ids", ids, (None, None), ID_DTYPES)
-        if ids.numel() and not torch.equal(ids.clamp(0, vocab_size - 1), ids):
+        if ids.numel() and not (deferred and backward) and not torch.equal(ids.clamp(0, vocab_size - 1), ids):
             raise Invalid("shape", f"ids hold token ids outside [0, {vocab_size})")
         if needs_wire:
-            check_tensor("wire", wire, (ids.shape[0], ids.shape[1] - 1, None))
-        if method == "backward":
+            check_tensor("wire", wire, (ids.shape[0], ids.shape[1] - 1, None), finite=not (deferred and backward))
+        if backward:
             check_tensor("grad", grad, (ids.shape[0], ids.shape[1] - 1, None))
     except Invalid as e:
         return str(e)
     return None
 
 
-def _request_tensors(ids, wire, grad, needs_wire: bool, needs_grad: bool) -> Optional[list]:
-    """[ids, wire and/or grad] when the request's structure is right (types, dtypes, ranks, sizes), else None."""
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ID_DTYPE_SET or ids.dim() != 2:
-        return None
-    n, length = ids.shape
-    tensors = [ids]
-    for t, needed in ((wire, needs_wire), (grad, needs_grad)):
-        if needed:
-            if (not isinstance(t, torch.Tensor) or t.dtype not in _WIRE_DTYPE_SET or t.dim() != 3
-                    or t.shape[0] != n or t.shape[1] != length - 1):
-                return None
-            tensors.append(t)
-    return tensors
+def inputs_problem(ids, wire, vocab_size: int, needs_wire: bool) -> Optional[str]:
+    """The values check :func:`request_problem` defers (ids in the vocabulary, the wire finite), for a
+    request whose structure it accepted; None when they are valid."""
+    return request_problem("forward", ids, wire, None, vocab_size, needs_wire)
 
 
-def _in_range(tensors: list, vocab_size: int) -> bool:
-    """Whether ids (the first tensor) lie in [0, vocab_size) and the float tensors hold finite values only:
-    the least and largest value of each (NaN propagates to both; an inf shows in one)."""
-    ids, *floats = tensors
-    if ids.numel():
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < 0 or int(hi) >= vocab_size:
-            return False
-    for t in floats:
-        if t.numel():
-            lo, hi = torch.aminmax(t)
-            if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
-                return False
-    return True
+def _fits(t, ids: torch.Tensor) -> bool:
+    """Whether `t` is a wire tensor [b, seq_len, *] for `ids` [b, seq_len+1]."""
+    return (type(t) is torch.Tensor and t.dtype in _WIRE_DTYPE_SET and t.dim() == 3
+            and t.shape[0] == ids.shape[0] and t.shape[1] == ids.shape[1] - 1)
+
+
+def _ids_in_range(ids: torch.Tensor, vocab_size: int) -> bool:
+    lo, hi = torch.aminmax(ids)
+    return int(lo) >= 0 and int(hi) < vocab_size
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """The least and largest value of `t` are finite (NaN propagates to both; an inf shows in one)."""
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 class NormTracker:

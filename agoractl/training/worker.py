@@ -41,7 +41,7 @@ from agoractl.model.codec import from_wire, to_wire
 from agoractl.model.build import build_stage
 from agoractl.algorithms.optim import lr_at, make_optimizer, optimizer_step
 from agoractl.algorithms.progress import StageProgress
-from agoractl.algorithms.validation import request_problem
+from agoractl.algorithms.validation import inputs_problem, request_problem
 from agoractl.training.activation_cache import ActivationCache, Entry, SavedBytes, param_version, request_key
 from agoractl.training.fault_drill import corrupt_results
 from agoractl.training.node_stats import WorkerStats
@@ -62,6 +62,8 @@ class Task:
     grad: Optional[torch.Tensor]
     done: Callable[[Optional[dict], Optional[BaseException]], None]
     arrived: float = field(default_factory=time.monotonic)
+    refused: Optional[str] = None
+    """Why the worker refused it (answered already), once it did."""
 
     @property
     def size(self) -> int:
@@ -153,11 +155,10 @@ class Worker:
             task.done(None, ValueError(f"stage {self.name} holds the whole model: it answers forward_backward only"))
             return
         problem = self.validate and request_problem(task.method, task.ids, task.wire, task.grad,
-                                                    self.run.model.vocab_size, not self.module.embeds)
+                                                    self.run.model.vocab_size, not self.module.embeds,
+                                                    deferred=self.cache is not None)
         if problem:  # never computed: bad inputs must not reach this stage's gradients
-            self.stats.refused += 1
-            self.emit("request_refused", method=task.method, problem=problem)
-            task.done(None, ValueError(f"refused: {problem}"))
+            self._refuse(task, problem)
             return
         with self._cond:
             if self._closed is not None:
@@ -167,6 +168,12 @@ class Worker:
                 self.stats.first_request = time.time()
             self._queues[QUEUE_OF[task.method]].append(task)
             self._cond.notify()
+
+    def _refuse(self, task: Task, problem: str) -> None:
+        task.refused = problem
+        self.stats.refused += 1
+        self.emit("request_refused", method=task.method, problem=problem)
+        task.done(None, ValueError(f"refused: {problem}"))
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -238,6 +245,9 @@ class Worker:
         try:
             with torch.enable_grad() if method != "forward" or self.cache is not None else torch.no_grad():
                 results = getattr(self, f"_{method}")(batch, sizes)
+                if None in results:  # requests refused in compute (a backward's deferred check): answered
+                    batch = [t for t, r in zip(batch, results) if r is not None]
+                    results, n = [r for r in results if r is not None], sum(t.size for t in batch)
                 if self.fault is not None:
                     corrupt_results(self.fault, method, results, self.params, sum(self.stats.batches.values()))
         except Exception as e:  # a bad request or a compute failure: every request of the batch fails
@@ -246,9 +256,12 @@ class Worker:
             if self.device.type == "cuda" and isinstance(e, RuntimeError) and "CUDA" in str(e):
                 self.emit("device_error", error=str(e))
             for t in batch:
-                t.done(None, e)
+                if t.refused is None:
+                    t.done(None, e)
             return
         elapsed = time.monotonic() - t0
+        if not batch:
+            return
         self.stats.compute_s += elapsed
         self.stats.batches[method] += 1
         self.stats.max_coalesced = max(self.stats.max_coalesced, n)
@@ -303,6 +316,14 @@ class Worker:
             hits, misses = [], list(range(len(batch)))
         else:
             hits, misses = self.cache.take([request_key(t.ids, t.wire) for t in batch], param_version(self.params))
+        results: list[Optional[dict]] = [{} for _ in batch]
+        if self.validate and self.cache is not None and misses:  # the check submit deferred, before the recompute
+            refused = [p for p in misses if self._refused_inputs(batch[p])]
+            for p in refused:
+                results[p] = None
+            misses = [p for p in misses if results[p] is not None]
+            if not hits and not misses:
+                return results
         grads = [from_wire(t.grad, self.device) for t in batch]
         outputs, parts = [], []  # (stage input, positions in `batch`) of each graph the backward runs through
         for entry, positions in hits:
@@ -318,12 +339,18 @@ class Worker:
                 raise ValueError(f"output gradient shape {tuple(g.shape)} does not match the output "
                                  f"{tuple(out.shape)}")
         torch.autograd.backward(outputs, out_grads)
-        results: list[dict] = [{} for _ in batch]
         for wire, positions in parts:
             if wire is not None:
                 for p, g in zip(positions, self._split(wire.grad, [sizes[p] for p in positions])):
                     results[p] = {"grad": g}
         return results
+
+    def _refused_inputs(self, task: Task) -> bool:
+        """Refuse `task` (True) if its ids or wire fail the values check its submit deferred."""
+        problem = inputs_problem(task.ids, task.wire, self.run.model.vocab_size, not self.module.embeds)
+        if problem:
+            self._refuse(task, problem)
+        return bool(problem)
 
     def _forward_backward(self, batch: list[Task], sizes: list[int]) -> list[dict]:
         wire, ids = self._inputs(batch, grad=True)

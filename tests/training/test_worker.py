@@ -103,6 +103,37 @@ def test_bad_requests_fail_without_killing_the_worker():
     assert ok["wire"].shape == (1, 16, run.model.ssn.rank)
 
 
+def test_a_backward_the_cache_does_not_serve_is_refused_on_bad_inputs_alone():
+    """With the activation cache a backward's ids and wire are checked only when the cache does not serve it
+    (a served one runs on the graph of a forward this worker checked): a bad one is refused before the
+    recompute, and the requests coalesced with it are computed."""
+    run = small_run()
+    body = Worker(run, 1)
+    assert body.cache is not None
+    k = run.model.ssn.rank
+    ids, wire, grad = samples(3), torch.randn(3, 16, k), torch.randn(3, 16, k)
+    served = submit(body, "forward", ids[:1], wire[:1])
+    body.run_once(0.01)
+    nan_wire = torch.full((1, 16, k), float("nan"))
+    boxes = [submit(body, "backward", ids[:1], wire[:1], grad[:1]),  # served by the cache
+             submit(body, "backward", ids[1:2], nan_wire, grad[1:2]),  # not cached: recompute, refused
+             submit(body, "backward", ids[2:3] + 300, wire[2:3], grad[2:3]),  # ids outside the vocabulary
+             submit(body, "backward", ids[1:2], wire[1:2], grad[1:2])]  # not cached: recomputed
+    assert served.error is None and not any(b.done for b in boxes)  # structure fine: queued
+    body.run_once(0.01)
+    assert all(b.done for b in boxes) and body.stats.failed_batches == 0 and body.stats.refused == 2
+    assert "refused: wire holds 256 non-finite value(s)" in str(boxes[1].error)
+    assert "refused: ids hold token ids outside [0, 257)" in str(boxes[2].error)
+    assert boxes[0].error is None and boxes[3].error is None and boxes[3].result["grad"].isfinite().all()
+    assert body.progress.samples == 2 and body.stats.cache["hits"] == 1 and body.stats.cache["misses"] == 3
+    assert all(p.grad is None or p.grad.isfinite().all() for p in body.params)
+    nan_grad = submit(body, "backward", ids[:1], wire[:1], torch.full((1, 16, k), float("inf")))
+    assert "refused: grad holds" in str(nan_grad.error)  # the output gradient: always checked at once
+    lone = submit(body, "backward", ids[1:2], nan_wire, grad[1:2])
+    body.run_once(0.01)  # a batch of nothing but refused requests
+    assert "refused" in str(lone.error) and body.stats.failed_batches == 0 and body.progress.samples == 2
+
+
 def test_pure_pipeline_of_workers_matches_the_centralized_reference():
     """One replica per stage, samples one at a time: after two steps the stage parameters equal the
     monolithic model's trained on the same batches (same init, mean gradient, clipping, schedule)."""
