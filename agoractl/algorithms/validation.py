@@ -6,7 +6,10 @@ Pure rules, no networking and no clock of their own; the runtime wires them in:
 - a **worker** checks every request before it computes (:func:`request_problem`): token ids in the
   vocabulary, wire tensors and output gradients finite, in a wire dtype, of the right rank; a bad
   request is refused with an error naming the problem, and never reaches the stage's gradients —
-  so the ``nan_gradients`` rule fires only for values the worker produced itself from valid inputs;
+  so the ``nan_gradients`` rule fires only for values the worker produced itself from valid inputs.
+  A backward's ids and wire are checked when they are used: a worker whose activation cache serves the
+  backward runs it on the graph of the forward it checked (same ids and wire: the cache's key is their
+  digest) and never reads the request's copies; one that recomputes checks them first (:func:`inputs_problem`);
 - a **trainer** checks every stage output, input gradient and loss it gets back
   (:func:`check_tensor`, :class:`NormTracker`, :func:`check_losses`): finite, the shape and dtype the
   stage promises, and a magnitude within ``validation.norm_multiple`` times the highest median the
