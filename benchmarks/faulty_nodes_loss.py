@@ -176,7 +176,7 @@ def spread(ratios: list[float]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=120, help="training.max_steps of every run (steps of 4 samples)")
+    p.add_argument("--steps", type=int, default=120, help="training.max_steps of every run (steps of --batch samples)")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (baseline, faulty), alternating")
     p.add_argument("--tail", type=int, default=20, help="steps whose mean loss is a run's final loss")
     p.add_argument("--batch", type=int, default=4, help="training.global_batch_size (samples per step)")
