@@ -21,7 +21,8 @@ make each run's sample order its own, so the benchmark also measures its own noi
 many pairs of the baseline against itself (an A/A comparison); ``resolves_target`` (training loss) and
 ``resolves_target_heldout`` say whether those control ratios all stayed within the 3% bound, and
 ``control_spread`` / ``control_heldout_spread`` the largest A/A distance from 1 — when a control pair fell
-outside the bound, a faulty ratio outside it proves nothing. Each run also names the peers that published
+outside the bound, a faulty ratio outside it proves nothing; ``baseline_cv`` / ``baseline_heldout_cv`` are the
+run-to-run standard deviation over mean of every baseline run (a pair ratio's noise is about sqrt(2) x that). Each run also names the peers that published
 the scored checkpoints (``publishers``) and the stages a faulty worker published (``faulty_published``).
 
     python benchmarks/faulty_nodes_loss.py --out faulty_nodes_loss.json
@@ -174,6 +175,13 @@ def spread(ratios: list[float]) -> float:
     return max((abs(r - 1.0) for r in ratios), default=float("nan"))
 
 
+def spread_cv(values: list[float]) -> float:
+    """Standard deviation over mean of the baseline runs' losses (a pair ratio's noise is about sqrt(2) x this);
+    NaN with fewer than two."""
+    values = [v for v in values if v == v]
+    return statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else float("nan")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=120, help="training.max_steps of every run (steps of --batch samples)")
@@ -232,6 +240,10 @@ def main(argv=None) -> int:
     control_done = [r for r in controls if "error" not in r["baseline"] and "error" not in r["faulty"]]
     control_ratios = [r["ratio"] for r in control_done]
     control_heldout = [r["heldout_ratio"] for r in control_done]
+
+    def baselines(key: str) -> list[float]:  # every baseline run's loss: the pairs' and both arms of the controls'
+        return [r[arm][key] for r in pairs + controls for arm in ("baseline", "faulty") if not r[arm]["faulty"]]
+
     result = {"manifest": str(MANIFEST), "settings": SWARM, "steps": a.steps, "tail": a.tail, "repeats": a.repeats,
               "baseline_final_loss": [r["baseline"]["final_loss"] for r in pairs],
               "faulty_final_loss": [r["faulty"]["final_loss"] for r in pairs],
@@ -247,6 +259,8 @@ def main(argv=None) -> int:
               "control_spread": spread(control_ratios), "control_heldout_spread": spread(control_heldout),
               "resolves_target_heldout": bool(control_heldout) and all(abs(c - 1.0) <= TARGET
                                                                        for c in control_heldout),
+              "baseline_cv": spread_cv(baselines("final_loss")),
+              "baseline_heldout_cv": spread_cv(baselines("heldout_loss")),
               "load_avg_before": load_before,
               "load_avg_after": list(os.getloadavg()), "cpus": os.cpu_count(),
               "runs": [{k: {kk: vv for kk, vv in v.items() if kk != "loss"} if isinstance(v, dict) else v
