@@ -66,21 +66,9 @@ class StageProgress:
         """Samples the stage had seen before any replica now counting started (a restarted stage's steps)."""
 
     def observe(self, peers: Mapping[str, PeerProgress]) -> None:
-        """Take in the other replicas' records (this replica's own must be left out).
-
-        A peer's ``seen - total`` is what it counts of the rest of the stage; where that exceeds this
-        replica's count of the same (its origin, its own total and the other peers' totals), the peer
-        knows of samples this replica never saw — replicas that left before it joined, whose counts
-        only their peers kept — and the origin takes them in. Without it a stage whose every original
-        replica was replaced one by one (churn) counts its samples again from its newcomers' totals and
-        falls steps behind the other stages. Views lag by a publication at most, so with three or more
-        replicas the lift can run ahead by the samples of one publication period, once."""
+        """Take in the other replicas' records (this replica's own must be left out)."""
         for peer, p in peers.items():
             self.peer_totals[peer] = max(self.peer_totals.get(peer, 0), int(p.total))
-        for peer, p in peers.items():
-            if p.seen:
-                rest = self._origin + self.total + sum(t for q, t in self.peer_totals.items() if q != peer)
-                self._origin += max(0, int(p.seen) - int(p.total) - rest)
         self.peers = {peer: int(p.step) for peer, p in peers.items()}
 
     def add(self, samples: int, report: bool = True) -> None:
