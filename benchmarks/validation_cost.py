@@ -20,9 +20,21 @@ and ``checks_fraction``, the checks' own CPU time (timed around each, less the t
 compute's. Medians over pairs, with the spread (min, max). Without the network the compute is all there
 is, so the fraction is an upper bound of the throughput a real swarm loses.
 
+Then the swarm itself (``--swarm-repeats``, 0 to skip): ``launch swarm`` of the manifest with
+``local.workers_per_stage=2`` (SPARTA averaging between the replicas), with ``validation.enabled`` on and
+off, alternating, on the same sample corpus. Per run on: ``checks_share``, the CPU seconds every worker
+and trainer spent in the checks (their ``checks_s``, thread time around each check) over the CPU seconds
+they spent training (``cpu_s`` since ready / since start: node, DHT process, p2pd). Every process of the
+swarm shares this machine's cores and they are busy (the swarm is CPU-bound here), so the share is the
+tokens/s the checks take. The paired tokens/s ratio on/off is reported beside it (each run's
+``tokens_per_s``): the direct measure, but a run-to-run noise of several percent hides a 2% effect
+within a few pairs. The averaging participants' checks of parts are not timed (they run once per round
+on a sparse slice): they are in the ratio, not in the share.
+
     python benchmarks/validation_cost.py                     # a table
     python benchmarks/validation_cost.py --json --pairs 5    # JSON on stdout
     python benchmarks/validation_cost.py --pairs 30 --out validation_cost.json
+    python benchmarks/validation_cost.py --swarm-repeats 0    # the in-process part only (seconds)
 """
 
 from __future__ import annotations
@@ -32,10 +44,12 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from cli_runs import agoractl, sets, unread
 
 from agoractl.algorithms.validation import ReplyChecks, inputs_problem, request_problem
 from agoractl.manifest.loader import load_manifest
@@ -154,6 +168,45 @@ def measure(manifest: Path, overrides: list[str], pairs: int, samples: int) -> d
             "load_avg": list(os.getloadavg()), "cpus": os.cpu_count()}
 
 
+def training_cpu(node: dict) -> float:
+    """CPU seconds a node's processes spent after it was ready (a worker) or started (a trainer)."""
+    start = node.get("cpu_at_ready_s") or node.get("cpu_at_start_s") or {}
+    return sum(node["cpu_s"].values()) - sum(start.values())
+
+
+def swarm(manifest: Path, overrides: list[str], repeats: int, steps: int) -> dict:
+    """`launch swarm` with validation on and off, alternating (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="agora-validation-bench-") as tmp:
+        tmp = Path(tmp)
+        agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", "2000", "--files", "2")
+        data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", "data.num_shards=4"]
+        agoractl("shard", str(manifest), *sets(data))
+        base = data + [f"training.max_steps={steps}", "local.workers_per_stage=2", "model.seq_len=64",
+                       "training.global_batch_size=8", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
+                       "network.startup_timeout_s=90", *overrides]
+        runs: dict[str, list[dict]] = {"off": [], "on": []}
+        for i in range(repeats):
+            for side in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                where = tmp / f"{side}-{i}"
+                unread(tmp / "shards")  # every run trains the same samples, from the data's beginning
+                report = agoractl("launch", "swarm", str(manifest), *sets(base + [
+                    f"validation.enabled={'true' if side == 'on' else 'false'}", f"local.run_dir={where}",
+                    f"checkpoints.store={where / 'store'}"]))
+                nodes = report["workers"] + report["trainers"]
+                checks, cpu = sum(n["checks_s"] for n in nodes), sum(training_cpu(n) for n in nodes)
+                runs[side].append({"tokens_per_s": report["tokens_per_s"], "steps": report["steps"],
+                                   "samples_lost": report["samples_lost"], "checks_s": checks, "training_cpu_s": cpu,
+                                   "checks_share": checks / max(cpu, 1e-9)})
+                print(f"swarm {side} #{i}: {report['tokens_per_s']:.0f} tokens/s, checks {checks:.2f} s of "
+                      f"{cpu:.0f} CPU s", file=sys.stderr)
+    ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs["off"], runs["on"])]
+    shares = [r["checks_share"] for r in runs["on"]]
+    return {"repeats": repeats, "steps": steps, "workers_per_stage": 2, "runs": runs,
+            "checks_share": statistics.median(shares), "checks_share_spread": [min(shares), max(shares)],
+            "tokens_per_s_ratios": ratios, "tokens_per_s_ratio": statistics.median(ratios),
+            "within_target": statistics.median(shares) <= TARGET}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", type=Path, default=ROOT / "manifests" / "local-cpu.yaml")
@@ -161,14 +214,19 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=5, help="paired blocks (with / without checks)")
     p.add_argument("--samples", type=int, default=16, help="samples per block")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--swarm-repeats", type=int, default=2, help="swarm runs of each side (on/off); 0: none")
+    p.add_argument("--swarm-steps", type=int, default=60, help="training steps per swarm run")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--out", type=Path, help="write the JSON to this file too")
     a = p.parse_args(argv)
-    if a.pairs < 1 or a.samples < 1:
-        print("error: --pairs and --samples must be at least 1", file=sys.stderr)
+    if a.pairs < 1 or a.samples < 1 or a.swarm_repeats < 0 or a.swarm_steps < 1:
+        print("error: --pairs, --samples and --swarm-steps must be at least 1, --swarm-repeats at least 0",
+              file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
     r = measure(a.manifest, a.overrides, a.pairs, a.samples)
+    if a.swarm_repeats:
+        r["swarm"] = swarm(a.manifest, a.overrides, a.swarm_repeats, a.swarm_steps)
     if a.out is not None:
         tmp = a.out.with_name(a.out.name + ".tmp")
         tmp.write_text(json.dumps(r, indent=2))
@@ -185,6 +243,12 @@ def main(argv=None) -> int:
         print(f"  checks {m['checks_s_per_sample'] * 1e6:.0f} us/sample (timers' own {m['timers_s_per_sample'] * 1e6:.0f} us"
               f" left out) = {m['checks_fraction']:.2%} of the compute ({sp['checks_fraction'][0]:.2%}.."
               f"{sp['checks_fraction'][1]:.2%}; target <= {TARGET:.0%}: {'met' if r['within_target'] else 'NOT met'})")
+        if "swarm" in r:
+            w = r["swarm"]
+            print(f"  swarm ({w['repeats']} pairs of {w['steps']} steps): checks {w['checks_share']:.2%} of the "
+                  f"swarm's training CPU ({w['checks_share_spread'][0]:.2%}..{w['checks_share_spread'][1]:.2%}; "
+                  f"target <= {TARGET:.0%}: {'met' if w['within_target'] else 'NOT met'}); tokens/s on/off "
+                  f"{w['tokens_per_s_ratio']:.3f} (pairs {', '.join(f'{x:.3f}' for x in w['tokens_per_s_ratios'])})")
     return 0
 
 

@@ -67,14 +67,12 @@ class Trainer:
         self.min_workers = max(1, int(min_workers))
         self.stages = run.stage_names()
         self.t = run.trainers
-        self.log = logs.get("trainer")
-        self.stop = threading.Event()
+        self.log, self.stop = logs.get("trainer"), threading.Event()
         self._stream = samples
         self.positions = positions
         """Data positions by checkpoint step (:class:`agoractl.training.data_resume.CheckpointPositions`)."""
         self.draws = DrawLog() if positions is not None else None
-        self.resume_step = resume_step
-        self.resumed: dict = {"step": resume_step, "source": "ledger"}
+        self.resume_step, self.resumed = resume_step, {"step": resume_step, "source": "ledger"}
         self.dht = node.start_dht(run, node.require_peers(initial_peers, "trainer"), client_mode=True)
         self.peer = self.dht.peer_id.to_base58()
         self.admitted = admission.enter(run, self.dht, "trainer")  # None when admission is off
@@ -177,7 +175,11 @@ class Trainer:
         out, meta = await self.client.call(peer, stage, method, tensors, {"trainer": self.index},
                                            timeout=self.t.request_timeout_s)
         if self.checks is not None:
-            self.checks.check(stage, method, tensors, out, meta)  # Invalid: the caller bans and re-routes
+            t1 = time.thread_time()  # the checks' own CPU time: what validation costs (stats.checks_s)
+            try:
+                self.checks.check(stage, method, tensors, out, meta)  # Invalid: the caller bans and re-routes
+            finally:
+                self.stats.checks_s += time.thread_time() - t1
         self.balancers[stage].record_success(peer, float(tensors["ids"].shape[0]), time.monotonic() - t0)
         if "step" in meta:
             self.seen_step[stage] = max(self.seen_step[stage], int(meta["step"]))
@@ -479,8 +481,7 @@ class Trainer:
             self._dht_pool.shutdown(wait=False)
             self._data_pool.shutdown(wait=False)
             node.shutdown_dht(self.dht)
-        self.log.info("trainer done", reason=stats["finished_reason"], completed=stats["completed"],
-                      lost=stats["lost"])
+        self.log.info("trainer done", reason=stats["finished_reason"], completed=stats["completed"], lost=stats["lost"])
         if self.stalled:
             raise StalledRun(f"trainer {self.index} stalled: {self.stalled}",
                              hint="start workers for that stage (agoractl launch worker FILE --stage ...), or "
@@ -493,8 +494,7 @@ class Trainer:
             self.counters[s].bans = self.balancers[s].bans
             self.counters[s].workers_seen = sorted(self.seen_workers[s])
         self.stats.peer, self.stats.pid, self.stats.resumed = self.peer, os.getpid(), self.resumed
-        self.stats.faults = dict(self.faults.counts)
-        self.stats.seen_step = dict(self.seen_step)
-        self.stats.admission = admission.summary(self.admitted)
+        self.stats.faults, self.stats.seen_step = dict(self.faults.counts), dict(self.seen_step)
+        self.stats.admission, self.stats.checks_s = admission.summary(self.admitted), round(self.stats.checks_s, 4)
         self.stats.tokens = dict(getattr(self._stream, "tokens_consumed", lambda: {})())
         return self.stats

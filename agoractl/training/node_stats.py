@@ -56,6 +56,8 @@ class WorkerStats:
     failed_batches: int = field(default=0, metadata=DETAIL)
     refused: int = 0
     """Requests refused before compute: non-finite or malformed inputs (validation.enabled)."""
+    checks_s: float = 0.0
+    """CPU seconds (thread time) the worker spent checking requests (validation.enabled): what the checks cost."""
     steps: list = field(default_factory=list, metadata=DETAIL)
     """[step, wall time, samples contributed, grad norm before clipping] per optimizer step taken."""
     first_request: Optional[float] = None
@@ -160,6 +162,8 @@ class TrainerNodeStats:
     """{stage: TrainerStageStats}."""
     faults: dict = field(default_factory=dict, metadata=DETAIL)
     """Invalid replies per worker peer (validation.enabled)."""
+    checks_s: float = 0.0
+    """CPU seconds (thread time) the trainer spent checking replies (validation.enabled): what the checks cost."""
     seen_step: dict = field(default_factory=dict, metadata=DETAIL)
     tokens: dict = field(default_factory=dict, metadata=DETAIL)
     """{shard (a string in JSON): tokens consumed}."""

@@ -154,12 +154,14 @@ class Worker:
         if task.method != "forward_backward" and self.module.embeds and self.module.computes_loss:
             task.done(None, ValueError(f"stage {self.name} holds the whole model: it answers forward_backward only"))
             return
-        problem = self.validate and request_problem(task.method, task.ids, task.wire, task.grad,
-                                                    self.run.model.vocab_size, not self.module.embeds,
-                                                    deferred=self.cache is not None)
-        if problem:  # never computed: bad inputs must not reach this stage's gradients
-            self._refuse(task, problem)
-            return
+        if self.validate:
+            t0 = time.thread_time()  # the checks' own CPU time: what validation costs (stats.checks_s)
+            problem = request_problem(task.method, task.ids, task.wire, task.grad, self.run.model.vocab_size,
+                                      not self.module.embeds, deferred=self.cache is not None)
+            self.stats.checks_s += time.thread_time() - t0
+            if problem:  # never computed: bad inputs must not reach this stage's gradients
+                self._refuse(task, problem)
+                return
         with self._cond:
             if self._closed is not None:
                 task.done(None, self._closed)
@@ -347,7 +349,9 @@ class Worker:
 
     def _refused_inputs(self, task: Task) -> bool:
         """Refuse `task` (True) if its ids or wire fail the values check its submit deferred."""
+        t0 = time.thread_time()
         problem = inputs_problem(task.ids, task.wire, self.run.model.vocab_size, not self.module.embeds)
+        self.stats.checks_s += time.thread_time() - t0
         if problem:
             self._refuse(task, problem)
         return bool(problem)

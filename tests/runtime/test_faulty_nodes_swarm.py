@@ -66,6 +66,8 @@ def test_faulty_workers_are_banned_and_honest_ones_train_on(corpus, procs, tmp_p
         assert code not in EXIT_CODES.values(), (name, code)
     for w in (w for w in r["workers"] if w["peer"] in honest):
         assert w["step"] == STEPS and not w.get("termination") and w["refused"] == 0, w
+        assert w["checks_s"] > 0, w  # what its checks of requests cost
+    assert all(t["checks_s"] > 0 for t in r["trainers"]), r["trainers"]  # and the trainers' of replies
     faults = r["faults"]
     assert not honest & set(faults), faults  # no honest worker was ever penalised
     drilled = [w for w in r["workers"] if w["peer"] in faulty_peers.values()]  # faulty only after fault_drill.ONSET

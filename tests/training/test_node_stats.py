@@ -43,5 +43,5 @@ def test_summary_leaves_out_detail_fields():
     s = summary(WorkerNodeStats(peer="p", steps=[[0, 1.0, 4, 0.5]]))
     assert s["peer"] == "p" and "steps" not in s and "failed_batches" not in s and "pid" not in s
     assert set(summary(TrainerNodeStats())) == {"trainer", "peer", "dispatched", "completed", "lost", "lost_at",
-                                                "sequences", "first_dispatch", "finished_reason", "cpu_s", "cpu_at_start_s",
-                                                "resumed"}
+                                                "sequences", "first_dispatch", "finished_reason", "checks_s", "cpu_s",
+                                                "cpu_at_start_s", "resumed"}

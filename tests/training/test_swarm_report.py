@@ -90,5 +90,5 @@ def test_the_report_lists_each_nodes_summary_without_per_step_detail(run):
     assert head["killed"] is False
     assert not {"steps", "rounds", "pid", "kind", "dht_calls"} & set(head)
     assert r["trainers"] == [{"trainer": 0, "peer": "", "dispatched": 12, "completed": 0, "lost": 0, "lost_at": {},
-                              "sequences": [], "first_dispatch": 9.0, "finished_reason": "", "cpu_s": None,
+                              "sequences": [], "first_dispatch": 9.0, "finished_reason": "", "checks_s": 0.0, "cpu_s": None,
                               "cpu_at_start_s": None, "resumed": None}]

@@ -98,6 +98,7 @@ def test_bad_requests_fail_without_killing_the_worker():
     nan = submit(body, "forward", samples(1), torch.full((1, 16, run.model.ssn.rank), float("nan")))
     assert "refused: wire holds 256 non-finite value(s)" in str(nan.error)  # never reaches the compute
     assert body.stats.refused == 2 and body.stats.failed_batches == 0 and not body.queued()
+    assert body.stats.checks_s > 0  # what the checks cost, in the worker's stats
     assert isinstance(submit(body, "forward_backward", samples(1)).error, ValueError)  # not the tail
     ok = call(body, "forward", samples(1), torch.randn(1, 16, run.model.ssn.rank))
     assert ok["wire"].shape == (1, 16, run.model.ssn.rank)
@@ -209,3 +210,12 @@ def test_a_whole_model_worker_answers_forward_backward_alone_and_matches_central
     central = dict(model.named_parameters())
     for name, p in worker.module.named_parameters():
         torch.testing.assert_close(p, central[name], rtol=0, atol=1e-4)
+
+
+
+def test_without_validation_requests_are_neither_checked_nor_timed():
+    run = small_run("validation.enabled=false")
+    body = Worker(run, 1)
+    nan = call(body, "forward", samples(1), torch.full((1, 16, run.model.ssn.rank), float("nan")))
+    assert not nan["wire"].isfinite().all()  # computed: nothing refused it
+    assert body.stats.refused == 0 and body.stats.checks_s == 0.0
