@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,6 +26,11 @@ app = typer.Typer(
     epilog="Example:\n\n  agoractl ops preempt manifests/local-cpu.yaml --stage body-1 --count 1 --during send "
            "--role contributor",
 )
+
+STAGE_READS = 3
+"""DHT reads of a stage's worker records `ops preempt` merges (an announce period apart) before it says a stage
+has too few eligible workers: a client that had just joined the DHT read 3 of a stage's 4 live workers, the
+one contributor missing."""
 
 PeersOpt = Annotated[Optional[list[str]], typer.Option(
     "--initial-peers", help="Multiaddr of a DHT peer of the run (repeatable); default network.initial_peers, "
@@ -86,8 +92,13 @@ def preempt(
 
     dht = node.start_dht(run, peers, client_mode=True)
     try:
-        workers = RunRecords(dht, run.metadata.name).stage_workers(stage)
-        candidates = faults.eligible(workers.values(), during, role)
+        records, workers = RunRecords(dht, run.metadata.name), {}
+        for read in range(STAGE_READS):  # one read of a fresh client can miss records: merged over a few
+            workers.update(records.stage_workers(stage))
+            candidates = faults.eligible(workers.values(), during, role)
+            if len(candidates) >= count or read == STAGE_READS - 1:
+                break
+            time.sleep(run.workers.announce_period_s)  # every live worker announces itself this often
         if not candidates:
             roles = sorted({w.role for w in workers.values()})
             raise RuntimeFailure(f"no live worker of stage {stage} can be preempted during {during}"

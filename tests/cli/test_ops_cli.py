@@ -49,7 +49,8 @@ def preempts(dht_with_workers, tmp_path_factory):
                       *peer_args(maddrs)],
         "contributor": ["ops", "preempt", MANIFEST, "--stage", "body-1", "--count", "1", "--during", "send",
                         "--role", "contributor", "--json", *peer_args(maddrs)],
-        "nobody": ["ops", "preempt", MANIFEST, "--stage", "tail", "--during", "send", *peer_args(maddrs)],
+        "nobody": ["ops", "preempt", MANIFEST, "--stage", "tail", "--during", "send", *peer_args(maddrs),
+                   "--set", "workers.announce_period_s=1"],  # re-read twice, a second apart, before it says so
         **{f"usage{i}": ["ops", "preempt", MANIFEST, *args] for i, (args, _) in enumerate(USAGE)},
     }
     return dict(zip(runs, cli_batch(runs.values(), cwd=tmp_path_factory.mktemp("ops-cli"))))
