@@ -205,7 +205,10 @@ def main(argv=None) -> int:
     pairs = []
     with tempfile.TemporaryDirectory(prefix="faulty-loss-") as tmp:
         tmp = Path(tmp)
-        data = [f"data.source={tmp}/sample/*.parquet", "data.num_shards=4", "data.heldout_shards=1"]
+        # 3 training shards: one each, so that both trainers feed the swarm (the manifest's 3 per trainer let the
+        # first trainer claim all three and the second wait for the epoch's end, the whole run)
+        data = [f"data.source={tmp}/sample/*.parquet", "data.num_shards=4", "data.heldout_shards=1",
+                "trainers.shards_per_trainer=1"]
         subprocess.run(agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", str(a.rows), "--files", "2",
                                 "--json"), check=True, capture_output=True, cwd=ROOT)
         subprocess.run(agoractl("shard", str(MANIFEST), *sets([*data, f"data.output={tmp / 'shards'}"]), "--json"),
