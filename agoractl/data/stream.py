@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from agoractl import storage
+from agoractl import logs, storage
 from agoractl.data import remote
 from agoractl.data.index import ShardIndex, read_index
 from agoractl.data.ledger import Holding, Ledger, fold_reports, initial_ledger, rotate, write_progress
@@ -116,6 +116,9 @@ class TrainerStream:
     def _first_assignment(self) -> Optional[list[Holding]]:
         got = self.source.assignment(self.trainer)
         if got == [] and self.claims is not None:  # the epoch's last shards are held by others
+            logs.get("data").warning(
+                "waiting for a shard: other trainers hold every shard of this epoch (trainers.shards_per_trainer "
+                "each); this trainer starts when the epoch ends", trainer=self.trainer)
             return self._await_assignment()
         return got
 

@@ -8,8 +8,10 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+import structlog
 import torch
 
+from agoractl import logs
 from agoractl.data.index import read_index
 from agoractl.data.ledger import write_progress
 from agoractl.data.shard import reshard
@@ -178,6 +180,9 @@ def test_a_trainer_waiting_for_its_first_shard_ends_the_wait_when_interrupted(sh
         asked.append(1)
         return len(asked) > 3
 
-    second = trainer_stream(run, 1, poll_s=0.01, interrupt=interrupt)
+    logs.configure()  # before the capture (configuring replaces its processors)
+    with structlog.testing.capture_logs() as logged:
+        second = trainer_stream(run, 1, poll_s=0.01, interrupt=interrupt)
     assert second.holdings == [] and len(asked) >= 4  # it waited (polled) until told to stop
+    assert [e["event"][:19] for e in logged] == ["waiting for a shard"] and logged[0]["trainer"] == 1  # and said so
     assert list(second) == []  # asked once more: still stopped
