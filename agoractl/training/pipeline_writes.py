@@ -3,8 +3,9 @@
 SPARTA and FGDiLoCo workers write snapshots and stage checkpoints through their own
 :class:`~agoractl.training.replica_writes.ReplicaWrites`; a pure pipeline needs the checkpoints too, or
 the run could not resume from its store. One replica per stage publishes: the one whose peer id is
-the smallest among the replicas publishing progress (the node's DHT thread keeps
-``worker.progress.peers`` current), so no DHT call is added. Stands in for the data-parallel side
+the smallest among the replicas publishing progress that ran a fair share of the stage's samples
+(:func:`~agoractl.algorithms.progress.checkpoint_publisher`; the node's DHT thread keeps
+``worker.progress`` current), so no DHT call is added. Stands in for the data-parallel side
 of the worker node (``join``, ``start``, ``summary``, ``shutdown``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agoractl.algorithms.progress import checkpoint_publisher
 from agoractl.manifest.schema import Run
 from agoractl.training.replica_writes import ReplicaWrites
 
@@ -25,7 +27,8 @@ class PipelineWrites:
         self.join_facts: dict[str, Any] = {"source": "init", "loaded_step": 0}
 
     def first(self) -> bool:
-        return all(self.peer < other for other in self.worker.progress.peers)
+        """Whether this replica publishes (:func:`~agoractl.algorithms.progress.checkpoint_publisher`)."""
+        return checkpoint_publisher(self.worker.progress.contributions(self.peer)) == self.peer
 
     def join(self, stage_step: int) -> None:
         """A joiner of a pure pipeline keeps its initial weights (nothing averages them toward the stage)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agoractl.algorithms.progress import PeerProgress, StageProgress, run_position
+from agoractl.algorithms.progress import PeerProgress, StageProgress, checkpoint_publisher, run_position
 
 
 def test_a_lone_replica_steps_every_global_batch_exactly():
@@ -107,3 +107,27 @@ def test_run_position_is_the_furthest_other_stage_and_none_before_training():
     assert run_position([PeerProgress(0, 0, 0), PeerProgress(0, 0)]) is None  # the run is starting
     pos = run_position([PeerProgress(6, 20, 51), PeerProgress(5, 30, 47), PeerProgress(6, 0)])
     assert pos == PeerProgress(6, 30, 51)
+
+
+def test_the_publisher_is_the_smallest_peer_id_among_replicas_that_trained():
+    assert checkpoint_publisher({"b": 500, "c": 460}) == "b"
+    assert checkpoint_publisher({"a": 3, "b": 500, "c": 460}) == "b"  # a banned replica ran next to nothing
+    assert checkpoint_publisher({"a": 50, "b": 500}) == "a"  # a tenth of the most is a fair share
+    assert checkpoint_publisher({"a": 0, "b": 0}) == "a"  # nothing ran yet: the smallest id, as before
+    assert checkpoint_publisher({}) is None
+    assert checkpoint_publisher({"a": 0, "b": 10}, share=0.0) == "a"
+
+
+def test_every_replica_names_the_same_publisher_from_its_own_progress():
+    """Each replica's view: its own total, and the peers' published ones (a departed peer is not a candidate)."""
+    views = {}
+    for me, mine, others in (("a", 3, {"b": PeerProgress(4, 500), "c": PeerProgress(4, 460)}),
+                             ("b", 500, {"a": PeerProgress(4, 3), "c": PeerProgress(4, 460)}),
+                             ("c", 460, {"a": PeerProgress(4, 3), "b": PeerProgress(4, 500)})):
+        p = StageProgress(target=8, max_steps=100)
+        p.observe({**others, "gone": PeerProgress(2, 900)})
+        p.observe(others)  # "gone" left: its count stays in the stage's total, not among the candidates
+        p.add(mine)
+        assert p.contributions(me) == {**{k: v.total for k, v in others.items()}, me: mine}
+        views[me] = checkpoint_publisher(p.contributions(me))
+    assert views == {"a": "b", "b": "b", "c": "b"}
