@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli_runs import ROOT, agoractl, sets, unread
+from cli_runs import ROOT, agoractl, sample_shards, sets, unread
 
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 ADMISSION = ["admission.enabled=true", "admission.min_vram_gb=0", "admission.min_ram_gb=0",
@@ -47,9 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agora-admission-bench-") as tmp:
         tmp = Path(tmp)
-        agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", "2000", "--files", "2")
-        data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", "data.num_shards=4"]
-        agoractl("shard", str(MANIFEST), *sets(data))
+        data = sample_shards(tmp, MANIFEST)
         method = (["stages=[{role: head, layers: 2}, {role: tail, layers: 2}]", "local.workers_per_stage=2",
                    "data_parallel.method=sparta", "data_parallel.sparta.every_steps=5",
                    "data_parallel.sparta.matchmaking_timeout_s=10"] if args.method == "sparta"

@@ -34,3 +34,12 @@ def unread(shards: Path) -> None:
     the next run reads the data from its beginning: runs of one benchmark then train the same samples, and
     many runs never exhaust the data's epochs (a trainer with no shard left ends the run)."""
     shutil.rmtree(Path(shards) / "claims", ignore_errors=True)
+
+
+def sample_shards(tmp: Path, manifest: Path, rows: int = 2000, shards: int = 4) -> list[str]:
+    """Generate a sample corpus of `rows` documents under `tmp` and shard it into `shards` shards; the manifest
+    overrides (``data.source``, ``data.output``, ``data.num_shards``) that train on them."""
+    agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", str(rows), "--files", "2")
+    data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", f"data.num_shards={shards}"]
+    agoractl("shard", str(manifest), *sets(data))
+    return data

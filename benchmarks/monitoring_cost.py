@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli_runs import ROOT, agoractl, sets, unread
+from cli_runs import ROOT, agoractl, sample_shards, sets, unread
 
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 
@@ -40,9 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agora-monitoring-bench-") as tmp:
         tmp = Path(tmp)
-        agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", "2000", "--files", "2")
-        data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", "data.num_shards=4"]
-        agoractl("shard", str(MANIFEST), *sets(data))
+        data = sample_shards(tmp, MANIFEST)
         base = data + [f"training.max_steps={args.steps}", "data_parallel.method=none", "model.seq_len=64",
                        "training.global_batch_size=8", "workers.max_microbatch=8", "workers.announce_period_s=1",
                        "trainers.discovery_period_s=2", "network.startup_timeout_s=90", *args.overrides]

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 import torch
-from cli_runs import agoractl, sets, unread
+from cli_runs import agoractl, sample_shards, sets, unread
 
 from agoractl.algorithms.validation import ReplyChecks, inputs_problem, request_problem
 from agoractl.manifest.loader import load_manifest
@@ -181,9 +181,7 @@ def swarm(manifest: Path, overrides: list[str], repeats: int, steps: int) -> dic
     """`launch swarm` with validation on and off, alternating (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="agora-validation-bench-") as tmp:
         tmp = Path(tmp)
-        agoractl("data", "sample", "--out", str(tmp / "sample"), "--rows", "2000", "--files", "2")
-        data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", "data.num_shards=4"]
-        agoractl("shard", str(manifest), *sets(data))
+        data = sample_shards(tmp, manifest)
         base = data + [f"training.max_steps={steps}", "local.workers_per_stage=2", "model.seq_len=64",
                        "training.global_batch_size=8", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
                        "network.startup_timeout_s=90", *overrides]
