@@ -258,9 +258,14 @@ def sweep() -> list[str]:
     """Remove what launchers that no longer run left behind; returns their tags."""
     tags = {m.group(1) for n in namespaces() if (m := re.match(rf"^({PREFIX}(\d+))-", n))}
     tags |= {m.group(1) for m in re.finditer(rf"\d+: ({PREFIX}\d+)r[@:]", run_ip("-o", "link", check=False))}
-    dead = sorted(t for t in tags if not pid_alive(int(t[len(PREFIX):])))
+    tables = {m.group(1) for n in os.listdir(tempfile.gettempdir()) if (m := re.match(rf"^({PREFIX}\d+)-rtt\.json$", n))}
+    dead = sorted(t for t in tags | tables if not pid_alive(int(t[len(PREFIX):])))
     for tag in dead:
         remove(tag)
+        try:  # the delay lines' RTT table (Hosts.table_path)
+            os.unlink(os.path.join(tempfile.gettempdir(), f"{tag}-rtt.json"))
+        except OSError:
+            pass
     return dead
 
 

@@ -93,6 +93,7 @@ def test_sweep_removes_what_a_dead_launcher_left():
     assert len(H.namespaces(hosts.tag)) == 2
     assert hosts.tag in H.sweep()  # what a SIGKILLed launcher leaves behind goes at the next start
     assert H.namespaces(hosts.tag) == [] and f"{hosts.tag}r" not in _links()
+    assert not os.path.exists(hosts.table_path)  # its delay lines' RTT table too
 
 
 @root_only
