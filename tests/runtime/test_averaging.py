@@ -3,7 +3,8 @@
 Each peer is a subprocess (tests/runtime/sparta_peer.py) with its own DHT node and StageAverager;
 the test process hosts the seed DHT. Covers: the weighted average, contributors (client mode, no
 reduction), weight-0 peers absorbing without moving the others, a group of weight-0 peers, a
-contributor preempted during send, a reducer preempted during reduce, bytes per round against
+contributor preempted during send, a lost operator (the survivor's record counts only values mixed with
+a groupmate's), a reducer preempted during reduce, bytes per round against
 the payload, a peer sending NaN or huge values (dropped by the reducers, its slice left partial: no
 honest peer's values become non-finite or jump, and every value recorded averaged holds the honest average).
 Takes about a minute on a loaded 2-core machine. One more test, in-process and without network,
@@ -24,7 +25,8 @@ from hivemind.compression import NoCompression, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from agoractl.runtime.averaging import StageAllReduce, StageAverager, expected_round_bytes
+from agoractl.runtime.allreduce import StageAllReduce, expected_round_bytes
+from agoractl.runtime.averaging import StageAverager
 from agoractl.algorithms.termination import EXIT_PREEMPTED
 from tests.conftest import ROOT
 
@@ -160,6 +162,18 @@ def test_weighted_average_contributors_absorb_and_preempted_sender(swarm):
     # The next round is whole again between the two operators.
     recs = swarm.round(["1 0 2", "1 4 2", None])
     assert all(r["status"] == "complete" and r["first"] == pytest.approx(2.0) for r in recs), recs
+
+    # A lost peer: the second operator is preempted after its first chunk. The survivor's record says what it
+    # got: the slice the lost one reduced never came back, and of its own slice only the values whose part
+    # arrived were mixed (reduced from its own values alone, the rest come back finite but unmixed). Its success
+    # is the values mixed, in line with the bytes it received; it was 0.5 whatever arrived.
+    recs = swarm.round(["1 0 2", "1 4 2 send", None])
+    assert recs[1] is None and swarm.procs[1].wait(timeout=30) == EXIT_PREEMPTED
+    r = recs[0]
+    assert r["status"] == "partial" and 0 < r["averaging_success"] < 0.5, r
+    mixed_bytes = r["averaging_success"] * SIZE * 4
+    assert mixed_bytes == pytest.approx(r["bytes_received"], rel=0.3), r  # chunks of 1 KB, plus framing
+    assert r["average_sum"] == pytest.approx(2.0 * r["averaging_success"] * SIZE), r  # each value mixed: (0 + 4) / 2
 
 
 @pytest.mark.parametrize("swarm", [["operator", "operator", "operator", "contributor"]], indirect=True)

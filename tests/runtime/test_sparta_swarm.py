@@ -435,7 +435,7 @@ def test_bytes_per_round_match_the_payload(scenario):
     """Every complete round moved what the butterfly all-reduce predicts for its group (+ framing)."""
     from agoractl.manifest.loader import load_manifest
     from agoractl.ops.analyze import stage_shapes
-    from agoractl.runtime.averaging import expected_round_bytes
+    from agoractl.runtime.allreduce import expected_round_bytes
     from agoractl.algorithms.sparta import SegmentTiling
 
     run = load_manifest(MANIFEST, scenario.values)
