@@ -16,6 +16,10 @@ average whatever the DHT's latency. A replica alone in its stage knows the count
 pipeline steps every ``global_batch_size`` samples, like the centralized reference, and
 :meth:`StageProgress.room` lets the compute loop stop a coalesced batch at the step boundary.
 
+With ``own`` (FGDiLoCo with ``data_parallel.fgdiloco.replicas`` = M, seed 002's inner steps), a replica
+steps on its own count instead: every ``target`` = global_batch_size / M samples it ran, whatever its peers
+did, so each step's global batch is exact (M x target) and replicas meet only at the outer rounds' mixes.
+
 Pure: the DHT transport lives in :mod:`agoractl.runtime.records`; this module only decides.
 """
 
@@ -47,10 +51,11 @@ class StageProgress:
     :param seen: the samples the stage had seen when this replica started, where no replica of the stage is
                  left to say it: a stage that lost every replica mid-run rejoins at the run's count (another
                  stage's, :attr:`PeerProgress.seen`), so its steps take the same samples as the other stages'
+    :param own: step on this replica's own count (`target` samples per step), never on its peers'
     """
 
     def __init__(self, target: int, max_steps: int, step: int = 0, restarts: bool = False,
-                 seen: Optional[int] = None):
+                 seen: Optional[int] = None, own: bool = False):
         self.target, self.max_steps = int(target), int(max_steps)
         self.step = int(step)
         self.samples = 0
@@ -61,8 +66,9 @@ class StageProgress:
         """The last cumulative count seen from every peer, departed ones included."""
         self.peers: dict[str, int] = {}
         """Step of every peer currently publishing."""
+        self.own = bool(own)
         self._base = self.step * self.target  # a joiner counts from its starting step
-        self._origin = int(seen) if seen is not None else self._base if restarts else 0
+        self._origin = self._base if own else int(seen) if seen is not None else self._base if restarts else 0
         """Samples the stage had seen before any replica now counting started (a restarted stage's steps)."""
 
     def observe(self, peers: Mapping[str, PeerProgress]) -> None:
@@ -87,12 +93,15 @@ class StageProgress:
         return self._origin + self.total + sum(self.peer_totals.values())
 
     def collective(self) -> int:
-        """Samples the stage has seen toward the current step's batch (beyond it once complete)."""
+        """Samples the stage has seen toward the current step's batch (beyond it once complete); with `own`,
+        the samples this replica ran toward its own current step."""
+        if self.own:
+            return self._origin + self.total - self.step * self.target
         return max(self.stage_total(), self._base) - self.step * self.target
 
     def ahead(self) -> bool:
-        """Whether another replica already took the current step."""
-        return any(s > self.step for s in self.peers.values())
+        """Whether another replica already took the current step (never a reason to step with `own`)."""
+        return not self.own and any(s > self.step for s in self.peers.values())
 
     def room(self) -> int:
         """Samples still missing from the current step's batch (0 when it is complete)."""
@@ -146,3 +155,34 @@ def checkpoint_publisher(totals: Mapping[str, int], share: float = PUBLISH_SHARE
         return None
     floor = share * max(totals.values())
     return min(peer for peer, total in totals.items() if total >= floor)
+
+
+class ReplicaSteps:
+    """A trainer's view of one stage whose replicas step on their own counts (:class:`StageProgress` with
+    ``own``): the furthest step seen from each replica, from its records and its replies, and when it was last
+    heard of. Such a stage is finished once every replica it has heard of within `grace_s` (and every live one)
+    took its last step: a discovery read that missed a replica still training must not end the run under it,
+    while one that left stops counting `grace_s` after its last word. Until then the trainer feeds the replicas
+    that have not finished (one that finished early answers "finished" untrained)."""
+
+    def __init__(self, stop_step: int, grace_s: float = 0.0):
+        self.stop_step, self.grace_s = int(stop_step), float(grace_s)
+        self.steps: dict[str, int] = {}
+        self.heard: dict[str, float] = {}
+
+    def saw(self, peer: str, step: int, now: float = 0.0) -> None:
+        self.steps[peer] = max(self.steps.get(peer, 0), int(step))
+        self.heard[peer] = max(self.heard.get(peer, now), now)
+
+    def done(self) -> set[str]:
+        """The replicas known to have taken their last step."""
+        return {peer for peer, step in self.steps.items() if step >= self.stop_step}
+
+    def finished(self, live: Iterable[str], now: float = 0.0) -> bool:
+        """Whether every replica in `live` (the stage's current members; at least one) and every one heard of
+        within `grace_s` of `now` took its last step."""
+        live = set(live)
+        if not live:
+            return False
+        recent = {peer for peer, t in self.heard.items() if now - t <= self.grace_s}
+        return all(self.steps.get(peer, 0) >= self.stop_step for peer in live | recent)

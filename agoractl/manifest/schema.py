@@ -207,6 +207,11 @@ class FGDiLoCo(Section):
     """Nesterov momentum in the outer step."""
     variant: Literal["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"] = "global_m1_local_m2"
     """Mixing variant of seed 002."""
+    replicas: Optional[int] = Field(None, gt=0)
+    """M of seed 002: the replicas a stage is meant to have. Set, each replica takes its inner steps on its own
+    count, exactly training.global_batch_size / M samples each (the paper's inner steps: a step's global batch
+    is exact, its loss comparable with central's and the simulator's). Null: the replicas of a stage count its
+    samples collectively through the DHT and step together (a step's batch is global_batch_size on average)."""
     allreduce_timeout_s: float = Field(150.0, gt=0)
     """All-reduce timeout of one mix, in seconds."""
     matchmaking_timeout_s: float = Field(40.0, gt=0)
@@ -408,6 +413,15 @@ class Run(Section):
         # A whole stage is the whole model: stage-wise is global clipping (1/sqrt(1) = 1), no tail multiplier.
         return base * (c.tail_multiplier if self.stages[index].role == "tail" else 1.0)
 
+    @property
+    def replica_batch(self) -> Optional[int]:
+        """Samples per inner step of each replica when replicas step on their own counts (FGDiLoCo with
+        ``data_parallel.fgdiloco.replicas`` = M: global_batch_size / M); None when a stage counts collectively."""
+        dp = self.data_parallel
+        if dp.method != "fgdiloco" or dp.fgdiloco.replicas is None:
+            return None
+        return self.training.global_batch_size // dp.fgdiloco.replicas
+
     def n_segments(self) -> int:
         """SPARTA segments: ceil(1 / fraction) (20 at 5%)."""
         return math.ceil(1.0 / self.data_parallel.sparta.fraction - 1e-9)
@@ -479,4 +493,8 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
                     f"exceeds training.max_steps ({run.training.max_steps})"))
     if (run.training.until_step or 0) > run.training.max_steps:
         out.append(("training.until_step", f"exceeds training.max_steps ({run.training.max_steps})"))
+    replicas = run.data_parallel.fgdiloco.replicas
+    if replicas is not None and run.training.global_batch_size % replicas:
+        out.append(("data_parallel.fgdiloco.replicas", f"must divide training.global_batch_size "
+                                                       f"({run.training.global_batch_size}); got {replicas}"))
     return out

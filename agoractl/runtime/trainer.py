@@ -15,7 +15,10 @@ Tensors on the wire are what the workers send: SSN coordinates (k per token) whe
 a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker records every
 ``trainers.discovery_period_s`` (workers in weight sync are skipped). The trainer publishes loss, samples and
 tokens consumed per shard in the DHT, and stops once every stage has taken ``training.max_steps`` steps
-(``training.until_step`` when set; seen in the workers' replies and records) or its data runs out. When no
+(``training.until_step`` when set; seen in the workers' replies and records) or its data runs out; where replicas
+step on their own counts (``data_parallel.fgdiloco.replicas``), once every live replica of every stage has
+(:class:`~agoractl.algorithms.progress.ReplicaSteps`; one that finished early answers "finished", untrained,
+and the sample goes to another). When no
 sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable DHT), it
 logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
@@ -45,19 +48,25 @@ from agoractl.errors import StalledRun
 from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.algorithms.balancer import Balancer
+from agoractl.algorithms.progress import ReplicaSteps
 from agoractl.runtime.metrics import NodeMetrics, trainer_sample
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
+from agoractl.runtime.trainer_data import TrainerData
 from agoractl.runtime.transport import StageClient
 from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
 from agoractl.training.data_resume import DrawLog
 from agoractl.training.node_stats import FINISHED_REASONS, TrainerNodeStats, TrainerStageStats
 
+class ReplicaFinished(Exception):
+    """A replica stepping on its own count answered that it took its last step (the sample is not trained)."""
+
+
 PUBLISH_S = 2.0  # seconds between the trainer's DHT records (the swarm's live progress)
 DATA_REPORT_S = 10.0  # seconds between reports of data consumption to the shard ledger's progress files
 
 
-class Trainer:
+class Trainer(TrainerData):
     """One trainer process: DHT client, per-stage balancers, concurrent sample pipelines."""
 
     def __init__(self, run: Run, index: int, initial_peers: Sequence[str], stats_path: Optional[str] = None,
@@ -84,6 +93,9 @@ class Trainer:
         self.counters = {s: TrainerStageStats() for s in self.stages}
         self.stats = TrainerNodeStats(trainer=index, stages=self.counters)
         self.seen_step = {s: 0 for s in self.stages}
+        grace = 3 * run.workers.announce_period_s + self.t.discovery_period_s  # a worker record's TTL, and a read
+        self.replica_steps = {s: ReplicaSteps(run.training.stop_step, grace) for s in self.stages} \
+            if run.replica_batch else None  # replicas stepping on their own counts: each one's step
         self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
         self.in_flight, self.cpu_at_start = 0, {}
         self._recent_loss: list[float] = []
@@ -106,6 +118,9 @@ class Trainer:
         return await asyncio.get_running_loop().run_in_executor(self._dht_pool, fn, *args)
 
     def finished(self) -> bool:
+        if self.replica_steps is not None:
+            now = time.monotonic()
+            return all(self.replica_steps[s].finished(self.balancers[s].workers, now) for s in self.stages)
         return all(self.seen_step[s] >= self.run.training.stop_step for s in self.stages)
 
     async def discover(self, stage: str) -> None:
@@ -124,6 +139,8 @@ class Trainer:
         added, removed = self.balancers[stage].update(serving, time.monotonic())
         self.seen_workers[stage].update(serving)
         self.seen_step[stage] = max(self.seen_step[stage], max(r.step for r in found.values()))
+        for p, r in found.items() if self.replica_steps is not None else ():
+            self.replica_steps[stage].saw(p, r.step, time.monotonic())
         if added or removed:
             self.log.info("workers changed", stage=stage, added=len(added), removed=len(removed), live=len(serving))
 
@@ -135,6 +152,8 @@ class Trainer:
     async def _choose(self, stage: str, exclude: set[str], task_size: float = 1.0) -> Optional[str]:
         """A worker for `stage`, waiting for discovery (up to request_timeout_s) when none is available."""
         deadline = time.monotonic() + self.t.request_timeout_s
+        if self.replica_steps is not None:
+            exclude = set(exclude) | self.replica_steps[stage].done()
         while True:
             peer = self.balancers[stage].choose(time.monotonic(), task_size, exclude)
             if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
@@ -174,6 +193,10 @@ class Trainer:
         t0 = time.monotonic()
         out, meta = await self.client.call(peer, stage, method, tensors, {"trainer": self.index},
                                            timeout=self.t.request_timeout_s)
+        if self.replica_steps is not None and "step" in meta:
+            self.replica_steps[stage].saw(peer, meta["step"], time.monotonic())
+            if meta.get("finished"):
+                raise ReplicaFinished(peer)
         if self.checks is not None:
             t1 = time.thread_time()  # the checks' own CPU time: what validation costs (stats.checks_s)
             try:
@@ -198,6 +221,8 @@ class Trainer:
             try:
                 out, meta = await self._call(stage, peer, method, tensors)
                 return peer, out, meta
+            except ReplicaFinished:  # it took its last step: another replica trains the sample
+                tried.add(peer)
             except Exception as e:  # error reply, timeout, or the worker is gone
                 self._fail(stage, peer, method, e)
                 tried.add(peer)
@@ -208,6 +233,8 @@ class Trainer:
         try:
             out, meta = await self._call(stage, pinned, "backward", tensors)
             return pinned, out, meta
+        except ReplicaFinished:  # the forward's replica took its last step meanwhile: nobody applies this one
+            return None
         except Exception as e:
             self._fail(stage, pinned, "backward", e)
         result = await self._dispatch(stage, "backward", tensors, exclude=[pinned])
@@ -218,6 +245,8 @@ class Trainer:
     # -- one sample ---------------------------------------------------------------------------
 
     def _lose(self, stage: str, direction: str, n: int) -> bool:
+        if self.replica_steps is not None and self.finished():
+            return False  # every replica took its last step meanwhile: a surplus sample, not a lost one
         self.stats.lost += n
         key = f"{stage}/{direction}"
         self.stats.lost_at[key] = self.stats.lost_at.get(key, 0) + n
@@ -265,59 +294,6 @@ class Trainer:
         return True
 
     # -- the loop -----------------------------------------------------------------------------
-
-    def _open_stream(self):
-        if self._stream is None:
-            from agoractl.data.stream import trainer_stream
-
-            position = None
-            if self.positions is not None:
-                try:  # a trainer restarted in a running swarm reads on; it does not go back to the checkpoint
-                    running = any(p.step > self.resume_step for s in self.stages
-                                  for p in self.records.stage_progress(s).values())
-                except Exception:
-                    running = False
-                position, source = self.positions.position_for(self.resume_step, running)
-                self.resumed = {"step": self.resume_step, "source": source}
-                self.log.info("data position", **self.resumed)
-            self._stream = trainer_stream(self.run, self.index, position, interrupt=self.stop.is_set)
-            self._stream.interrupt = lambda: self.stop.is_set() or self.finished()
-            if getattr(self._stream, "claims", None) is not None:
-                self._stream.claims.track = True  # samples count as read once they complete
-        return self._stream
-
-    def _draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
-        """The next microbatch of trainers.microbatch samples [m, seq_len+1] (fewer at the end of the data),
-        the samples' [shard, epoch, offset] when trainers.record_sequences, and its draw number."""
-        draw = self.draws.drawn(self._stream.position()) if self.draws and hasattr(self._stream, "position") else None
-        drawn, ids = [], []
-        for _ in range(self.t.microbatch):
-            s = next(self._stream, None)
-            if s is None:
-                break
-            drawn.append(s)
-            if getattr(self._stream, "last", None) is not None:
-                ids.append(list(self._stream.last))
-        return (torch.stack(drawn), ids, draw) if drawn else None
-
-    def _settle(self, seq_ids: list, completed: bool) -> None:
-        """Completed (or given up): noted at once (a reader waiting at the epoch's end flushes it), then written
-        to the shard ledger on the data thread; logged with trainers.record_sequences (a killed trainer's record)."""
-        if self.t.record_sequences:
-            self.log.info("sequences settled", sequences=seq_ids, completed=completed)
-        for shard, epoch, offset in seq_ids:
-            self._stream.settle(shard, epoch, offset)
-
-    async def _mark_checkpoint(self) -> None:
-        """Record the data position the first time every stage reached a checkpoint step."""
-        step = self.positions.due(min(self.seen_step.values())) if self.positions is not None else None
-        if step is not None and hasattr(self._stream, "position"):
-            try:
-                await asyncio.get_running_loop().run_in_executor(self._data_pool, self.positions.record, step,
-                                                                 self._stream, self.draws)
-            except Exception as e:  # a resume would fall back to the last report; training goes on
-                self.positions.last = max(self.positions.last, step)
-                self.log.warning("data position not recorded", step=step, error=f"{type(e).__name__}: {e}")
 
     async def _pipeline(self) -> None:
         while not self.stop.is_set() and not self.finished():
@@ -373,17 +349,6 @@ class Trainer:
             if time.monotonic() - last_data_report > min(DATA_REPORT_S, self.run.data.lease_s / 3):
                 last_data_report = time.monotonic()
                 await self._report_data()
-
-    async def _report_data(self) -> None:
-        if not hasattr(self._stream, "position"):
-            return
-        from agoractl.data.stream import report_progress
-
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._data_pool, report_progress, self.run,
-                                                             self.index, self._stream)
-        except Exception as e:  # consumption reports are advisory; training goes on
-            self.log.warning("data progress report failed", error=f"{type(e).__name__}: {e}")
 
     async def _wait_for_stages(self) -> None:
         """Training begins when every stage advertises an available worker (§3.3.2.1), or `min_workers` of them."""

@@ -10,8 +10,9 @@ The worker's ordinary optimizer steps are FGDiLoCo's inner steps; every
   the module's parameter order (as :func:`agoractl.sim.simulator.flat_parameters` orders a full
   model); Mix1 of z starts in the **background** (:class:`Mixing`), while the H inner steps train;
 - round end (stage step ``(r + 1) * H``): Δ = y_H − z (:func:`~agoractl.algorithms.fgdiloco.round_delta`),
-  Mix1 is collected, Mix2 of Δ **blocks** the compute thread (every replica of the stage is at the
-  same step: the steps are collective), and the replica's outer step
+  Mix1 is collected, Mix2 of Δ **blocks** the compute thread (replicas counting collectively reach the
+  step together; replicas stepping on their own counts, ``data_parallel.fgdiloco.replicas``, wait there
+  for each other, as DiLoCo's replicas do), and the replica's outer step
   (:func:`~agoractl.algorithms.fgdiloco.replica_outer_step`, Nesterov SGD with a momentum of its own)
   turns x = Mix1(z) and Δ̂ = Mix2(Δ) into the next z, written back into the master weights.
 

@@ -10,7 +10,9 @@ before it could write them (SIGKILL), what the swarm last saw of it in the DHT. 
   final step, so ``tokens_per_s`` is the pipeline throughput of report §5.4.0.1,
   B·L / t_optim_step, averaged over the run (start-up of processes is not counted, as the
   central reference does not count building its model).
-- ``loss``: [step, mean loss of the samples the tail counted toward that step], merged over trainers.
+- ``loss``: [step, mean loss of the samples the tail counted toward that step], merged over trainers;
+  ``step_samples``: how many samples those were, {min, max, mean} over the steps (exactly the global batch
+  in every step where replicas step on their own counts, ``data_parallel.fgdiloco.replicas``).
 - ``samples_lost``: samples trainers gave up on, plus the in-flight samples of trainers that died.
 - ``stages[]``: per stage ``workers_seen``, ``samples`` (backward passes served), ``max_coalesced``
   and ``mean_coalesced``, ``retries``, ``bans``, ``rejected`` (replies rejected as invalid) and
@@ -103,6 +105,9 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
             m[0] += total
             m[1] += count
     loss = [[s, m[0] / m[1]] for s, m in sorted(merged.items()) if m[1] and s < max(steps, 1)]
+    counts = [merged[s][1] for s, _ in loss]
+    step_samples = {"min": min(counts), "max": max(counts), "mean": round(sum(counts) / len(counts), 3)} \
+        if counts else None
     lost = sum(t.lost for t in trainers) + sum(t.in_flight for t in lost_trainers)
     per_stage = []
     for s in stages:
@@ -127,7 +132,7 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
         })
     return run_report(
         mode="swarm", name=run.metadata.name, steps=steps, tokens=steps * batch * seq_len,
-        elapsed_s=max(elapsed, 1e-9), loss=loss,
+        elapsed_s=max(elapsed, 1e-9), loss=loss, step_samples=step_samples,
         samples_lost=lost,
         samples_dispatched=sum(t.dispatched for t in trainers),
         samples_completed=sum(t.completed for t in trainers),

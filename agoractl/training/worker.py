@@ -93,8 +93,9 @@ class Worker:
             self.master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in self.params]
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._optimizer_lock = threading.Lock()
-        self.progress = StageProgress(run.training.global_batch_size, run.training.stop_step, step, restarts,
-                                      seen)
+        own = run.replica_batch  # FGDiLoCo with M set: a replica's inner steps are its own (seed 002)
+        self.progress = StageProgress(own or run.training.global_batch_size, run.training.stop_step, step,
+                                      restarts, seen, own=own is not None)
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role
@@ -166,6 +167,9 @@ class Worker:
             if self._closed is not None:
                 task.done(None, self._closed)
                 return
+            if self.progress.own and self.progress.finished:
+                self._done_already(task)
+                return
             if self.stats.first_request is None:
                 self.stats.first_request = time.time()
             self._queues[QUEUE_OF[task.method]].append(task)
@@ -176,6 +180,12 @@ class Worker:
         self.stats.refused += 1
         self.emit("request_refused", method=task.method, problem=problem)
         task.done(None, ValueError(f"refused: {problem}"))
+
+    def _done_already(self, task: Task) -> None:
+        """A replica stepping on its own count that took its last step trains nothing more: it answers at once
+        that it is finished (its peers may still be short of their last steps; the trainer routes to them)."""
+        self.stats.finished_replies += 1
+        task.done({"finished": True, "step": self.progress.step}, None)
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -214,6 +224,10 @@ class Worker:
         with self._cond:
             if not self.queued():
                 self._cond.wait(timeout)
+            if self.progress.own and self.progress.finished:  # queued while the last step (and its mix) ran
+                for q in self._queues.values():
+                    while q:
+                        self._done_already(q.popleft())
             batch = self._take()
         self.stats.idle_s += time.monotonic() - t0
         if not batch:

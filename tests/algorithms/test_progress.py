@@ -1,8 +1,10 @@
-"""Collective stage progress (agoractl.algorithms.progress): when replicas step. Pure, in-memory."""
+"""Stage progress (agoractl.algorithms.progress): when replicas step, collectively or each on its own count
+(FGDiLoCo with data_parallel.fgdiloco.replicas), and when a trainer sees such a stage finished. Pure, in-memory."""
 
 from __future__ import annotations
 
-from agoractl.algorithms.progress import PeerProgress, StageProgress, checkpoint_publisher, run_position
+from agoractl.algorithms.progress import (PeerProgress, ReplicaSteps, StageProgress, checkpoint_publisher,
+                                         run_position)
 
 
 def test_a_lone_replica_steps_every_global_batch_exactly():
@@ -131,3 +133,40 @@ def test_every_replica_names_the_same_publisher_from_its_own_progress():
         assert p.contributions(me) == {**{k: v.total for k, v in others.items()}, me: mine}
         views[me] = checkpoint_publisher(p.contributions(me))
     assert views == {"a": "b", "b": "b", "c": "b"}
+
+
+def test_replicas_on_their_own_counts_each_step_on_exactly_their_batch():
+    """M = 2, global batch 8: each replica steps on its own 4 samples, whatever its peer did or how far it got,
+    so every step's global batch is exactly 8 (seed 002's inner steps)."""
+    a, b = StageProgress(4, 10, own=True), StageProgress(4, 10, own=True)
+    a.add(3)
+    a.observe({"b": PeerProgress(step=2, total=9)})  # b is ahead and has run more: neither moves a
+    assert a.collective() == 3 and a.room() == 1 and not a.ahead() and not a.should_step()
+    a.add(1)
+    assert a.should_step() and a.advance() == 4 and a.room() == 4
+    b.add(6)  # more than its batch queued at once: the excess counts toward its next step
+    assert b.should_step() and b.advance() == 6 and b.collective() == 2
+    assert a.contributions("a") == {"b": 9, "a": 4}  # the checkpoint publisher still reads every count
+
+
+def test_a_replica_on_its_own_count_joining_or_resuming_at_a_step_takes_one_batch_for_it():
+    for p in (StageProgress(4, 10, step=6, own=True), StageProgress(4, 10, step=6, restarts=True, own=True),
+              StageProgress(4, 10, step=6, seen=100, own=True)):
+        p.observe({"old": PeerProgress(step=6, total=30)})
+        assert p.room() == 4
+        p.add(4)
+        assert p.should_step() and p.advance() == 4 and p.step == 7
+
+
+def test_a_stage_on_own_counts_is_finished_when_every_live_replica_took_its_last_step():
+    seen = ReplicaSteps(stop_step=40, grace_s=10)
+    assert not seen.finished([])  # nobody discovered yet
+    seen.saw("a", 40, now=100)
+    seen.saw("b", 38, now=100)
+    seen.saw("b", 12, now=101)  # an old record: steps only go forward
+    assert seen.done() == {"a"} and not seen.finished(["a", "b"], now=102)
+    assert not seen.finished(["a"], now=105)  # a read that missed b, heard of 5 s ago: b still trains
+    assert seen.finished(["a"], now=112)  # b left the stage: silent past the grace, it no longer counts
+    seen.saw("b", 40, now=113)
+    assert seen.finished(["a", "b"], now=113) and seen.done() == {"a", "b"}
+    assert not seen.finished(["a", "b", "c"], now=113)  # a newcomer not heard from yet

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from agoractl.manifest.loader import load_manifest
+from agoractl.manifest.loader import ManifestError, load_manifest
 from agoractl.manifest.schema import Run, Stage
 from tests.conftest import MANIFESTS
 
@@ -65,6 +65,15 @@ def test_until_step_stops_a_launch_within_max_steps():
     assert Run(training=Training(max_steps=40, until_step=20)).training.stop_step == 20
     with pytest.raises(ValueError, match="training.until_step: exceeds training.max_steps"):
         Run(training=Training(max_steps=10, until_step=20))
+
+
+def test_fgdiloco_replicas_set_each_replicas_batch_and_must_divide_the_global_batch():
+    run = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml")
+    assert run.data_parallel.fgdiloco.replicas == 2 and run.replica_batch == 4
+    assert load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=null"]).replica_batch is None
+    assert load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.method=sparta"]).replica_batch is None
+    with pytest.raises(ManifestError, match="data_parallel.fgdiloco.replicas: must divide training.global_batch_size"):
+        load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=3"])
 
 
 def test_a_run_of_one_whole_stage_is_valid_and_whole_only_stands_alone():

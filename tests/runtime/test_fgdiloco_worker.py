@@ -1,6 +1,7 @@
 """FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker) as seed 002 runs it: ``launch swarm`` of
 ``manifests/fgdiloco-dp-cpu.yaml``, the model not split (one stage of role whole), 2 whole-model replicas fed
-by 2 trainers: outer rounds complete over hivemind and the loss falls. The outer rounds' maths in one
+by 2 trainers: outer rounds complete over hivemind, the loss falls, and each replica's inner steps take exactly
+its share of the global batch. The outer rounds' maths in one
 process: tests/training/test_fgdiloco_rounds.py; FGDiLoCo on a pipeline (``fgdiloco-local-cpu.yaml``) runs
 the same per-stage rounds, and multi-stage swarms are the SPARTA tests'.
 
@@ -28,6 +29,10 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
     p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-dp-cpu.yaml")
     report = finish(p, run_dir)
     assert report["steps"] == 16 and report["samples_lost"] == 0
+    # Replicas step on their own counts (data_parallel.fgdiloco.replicas = 2): every step's loss is the mean over
+    # exactly the global batch, 4 samples from each replica, and no replica trains past its last step.
+    assert report["step_samples"] == {"min": 8, "max": 8, "mean": 8.0}, report["step_samples"]
+    assert [w["backward_samples"] for w in report["workers"]] == [16 * 4] * 2, report["workers"]
     first = sum(v for _, v in report["loss"][:3]) / 3
     assert report["final_loss"] < first - 0.3, report["loss"]
     assert list(by_stage(report)) == ["whole"]

@@ -11,6 +11,7 @@ from agoractl.training.central import clip_groups
 from agoractl.model.build import build_model
 from agoractl.model.llama import lm_loss, split_sample
 from agoractl.algorithms.optim import lr_at, make_optimizer, set_lr
+from agoractl.algorithms.progress import PeerProgress
 from agoractl.training.worker import Task, Worker
 from tests.conftest import MANIFESTS
 
@@ -211,6 +212,25 @@ def test_a_whole_model_worker_answers_forward_backward_alone_and_matches_central
     for name, p in worker.module.named_parameters():
         torch.testing.assert_close(p, central[name], rtol=0, atol=1e-4)
 
+
+
+def test_a_replica_on_its_own_count_steps_on_its_batch_then_answers_finished_untrained():
+    """FGDiLoCo with M = 2 (data_parallel.fgdiloco.replicas): global batch 4, so this replica steps every 2
+    samples of its own whatever its peers did; after max_steps it trains nothing and says it is finished."""
+    run = small_run("stages=[{role: whole, layers: 4}]", "model.ssn.rank=null", "data_parallel.method=fgdiloco",
+                    "data_parallel.fgdiloco.replicas=2", "data_parallel.fgdiloco.inner_steps=10",
+                    "training.max_steps=2")
+    worker = Worker(run, 0)
+    worker.progress.observe({"peer": PeerProgress(step=5, total=50)})  # a peer far ahead: no reason to step
+    for pair in samples(4, seed=2).split(2):
+        out = call(worker, "forward_backward", pair)
+        assert out["step"] == worker.progress.step
+        worker.maybe_step()
+    assert worker.progress.step == 2 and [s[2] for s in worker.stats.steps] == [2, 2]
+    weights = [p.detach().clone() for p in worker.params]
+    late = call(worker, "forward_backward", samples(2, seed=3))
+    assert late == {"finished": True, "step": 2} and worker.stats.finished_replies == 1
+    assert worker.stats.backward_samples == 4 and all(torch.equal(a, b) for a, b in zip(weights, worker.params))
 
 
 def test_without_validation_requests_are_neither_checked_nor_timed():
