@@ -156,6 +156,14 @@ class Balancer:
                 w.vruntime = cap
                 self._push(peer, cap)
 
+    def refund(self, peer: str, task_size: float) -> None:
+        """Take back the charge of a call `peer` answered without doing the work (a replica waiting in a blocking
+        mix, or one that took its last step): it did not take the task, so it owes nothing for it."""
+        w = self.workers.get(peer)
+        if w is not None:
+            w.vruntime -= task_size / max(w.throughput, 1e-9)
+            self._push(peer, w.vruntime)
+
     def ban(self, peer: str, now: float, duration: Optional[float] = None) -> None:
         """Skip `peer` for `duration` seconds (default ban_s; counted in :attr:`bans`). Unknown peers are
         remembered too, so that a failed worker discovery still lists is not chosen again."""

@@ -17,8 +17,8 @@ a d-wide tensor; token ids travel as int32. Discovery reads each stage's worker 
 tokens consumed per shard in the DHT, and stops once every stage has taken ``training.max_steps`` steps
 (``training.until_step`` when set; seen in the workers' replies and records) or its data runs out; where replicas
 step on their own counts (``data_parallel.fgdiloco.replicas``), once every live replica of every stage has
-(:class:`~agoractl.algorithms.progress.ReplicaSteps`; one that finished early answers "finished", untrained,
-and the sample goes to another). When no
+(:class:`~agoractl.algorithms.progress.ReplicaSteps`; one that finished early answers "finished", and one
+waiting in a blocking mix "waiting", untrained: the sample goes to another replica, or a pinned backward waits). When no
 sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable DHT), it
 logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
@@ -62,6 +62,14 @@ class ReplicaFinished(Exception):
     """A replica stepping on its own count answered that it took its last step (the sample is not trained)."""
 
 
+class ReplicaWaiting(Exception):
+    """A replica stepping on its own count answered that it waits in a blocking mix (the sample is not trained)."""
+
+
+WAITING_S = 0.1
+"""Seconds a replica that answered "waiting" is skipped before it is asked again."""
+
+
 PUBLISH_S = 2.0  # seconds between the trainer's DHT records (the swarm's live progress)
 DATA_REPORT_S = 10.0  # seconds between reports of data consumption to the shard ledger's progress files
 
@@ -96,6 +104,8 @@ class Trainer(TrainerData):
         grace = 3 * run.workers.announce_period_s + self.t.discovery_period_s  # a worker record's TTL, and a read
         self.replica_steps = {s: ReplicaSteps(run.training.stop_step, grace) for s in self.stages} \
             if run.replica_batch else None  # replicas stepping on their own counts: each one's step
+        self._held: dict[str, dict[str, float]] = {s: {} for s in self.stages}
+        """Per stage, replicas that answered "waiting" (in a blocking mix) and until when they are skipped."""
         self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
         self.in_flight, self.cpu_at_start = 0, {}
         self._recent_loss: list[float] = []
@@ -152,16 +162,24 @@ class Trainer(TrainerData):
     async def _choose(self, stage: str, exclude: set[str], task_size: float = 1.0) -> Optional[str]:
         """A worker for `stage`, waiting for discovery (up to request_timeout_s) when none is available."""
         deadline = time.monotonic() + self.t.request_timeout_s
-        if self.replica_steps is not None:
-            exclude = set(exclude) | self.replica_steps[stage].done()
         while True:
-            peer = self.balancers[stage].choose(time.monotonic(), task_size, exclude)
+            now = time.monotonic()
+            peer = self.balancers[stage].choose(now, task_size, set(exclude) | self._unavailable(stage, now))
             if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
                 return peer
             if time.monotonic() - self._last_discovery[stage] > 1.0:
                 await self.discover(stage)
             else:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(WAITING_S if self._held[stage] else 0.2)
+
+    def _unavailable(self, stage: str, now: float) -> set[str]:
+        """Replicas on their own counts not to send work to now: finished, or waiting in a blocking mix."""
+        if self.replica_steps is None:
+            return set()
+        held = self._held[stage]
+        for peer in [p for p, until in held.items() if until <= now]:
+            del held[peer]
+        return self.replica_steps[stage].done() | set(held)
 
     def _fail(self, stage: str, peer: str, method: str, error: BaseException) -> None:
         self.counters[stage].failures += 1
@@ -195,8 +213,12 @@ class Trainer(TrainerData):
                                            timeout=self.t.request_timeout_s)
         if self.replica_steps is not None and "step" in meta:
             self.replica_steps[stage].saw(peer, meta["step"], time.monotonic())
-            if meta.get("finished"):
-                raise ReplicaFinished(peer)
+            if meta.get("finished") or meta.get("waiting"):  # answered at once, untrained: it owes nothing
+                self.balancers[stage].refund(peer, float(tensors["ids"].shape[0]))
+                if meta.get("finished"):
+                    raise ReplicaFinished(peer)
+                self._held[stage][peer] = time.monotonic() + WAITING_S
+                raise ReplicaWaiting(peer)
         if self.checks is not None:
             t1 = time.thread_time()  # the checks' own CPU time: what validation costs (stats.checks_s)
             try:
@@ -211,8 +233,8 @@ class Trainer(TrainerData):
     async def _dispatch(self, stage: str, method: str, tensors: dict, exclude: Sequence[str] = ()):
         """(peer, outputs, meta) from the first replica that serves the request; None when the retries
         run out or no replica is available. Every re-send after a failure counts as a retry."""
-        tried = set(exclude)
-        for attempt in range(self.t.retries + 1):
+        tried, attempt = set(exclude), 0
+        while attempt <= self.t.retries:
             peer = await self._choose(stage, tried, float(tensors["ids"].shape[0]))
             if peer is None:
                 return None
@@ -221,18 +243,28 @@ class Trainer(TrainerData):
             try:
                 out, meta = await self._call(stage, peer, method, tensors)
                 return peer, out, meta
+            except ReplicaWaiting:  # in a blocking mix: another replica, or this one once it is out (no retry used)
+                continue
             except ReplicaFinished:  # it took its last step: another replica trains the sample
                 tried.add(peer)
             except Exception as e:  # error reply, timeout, or the worker is gone
                 self._fail(stage, peer, method, e)
                 tried.add(peer)
+            attempt += 1
         return None
 
     async def _backward(self, stage: str, pinned: str, tensors: dict):
         """The backward on the worker that ran the forward; another replica only if that one fails."""
+        deadline = time.monotonic() + self.t.request_timeout_s
         try:
-            out, meta = await self._call(stage, pinned, "backward", tensors)
-            return pinned, out, meta
+            while True:
+                try:
+                    out, meta = await self._call(stage, pinned, "backward", tensors)
+                    return pinned, out, meta
+                except ReplicaWaiting:  # pinned: it computes this backward once out of its mix
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(WAITING_S)
         except ReplicaFinished:  # the forward's replica took its last step meanwhile: nobody applies this one
             return None
         except Exception as e:

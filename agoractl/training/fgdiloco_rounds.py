@@ -180,9 +180,13 @@ class FGDiLoCoRounds:
         """End the running round: collect Mix1, Mix2 of Δ (blocking), the outer step into the weights."""
         t0 = time.monotonic()
         delta = round_delta(self.z, self.flat())
-        # Mix1 first: a replica's transport runs one mix at a time (it has had H steps to finish).
-        x, rec1 = self._wait(self.mix1, self.z)
-        mixed_delta, rec2 = self._wait(self.mixing.start(self.kind2, 2 * self.round + 1, delta), delta)
+        self.worker.hold(True)  # on its own count, its peers may still need samples to get here: it takes none
+        try:
+            # Mix1 first: a replica's transport runs one mix at a time (it has had H steps to finish).
+            x, rec1 = self._wait(self.mix1, self.z)
+            mixed_delta, rec2 = self._wait(self.mixing.start(self.kind2, 2 * self.round + 1, delta), delta)
+        finally:
+            self.worker.hold(False)
         self.assign(replica_outer_step(x, mixed_delta, self.outer))
         for mix, rec in (("mix1", rec1), ("mix2", rec2)):
             self._record(mix, rec)

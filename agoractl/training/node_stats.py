@@ -58,6 +58,8 @@ class WorkerStats:
     """Requests refused before compute: non-finite or malformed inputs (validation.enabled)."""
     finished_replies: int = 0
     """Requests answered "finished" untrained: the replica, stepping on its own count, took its last step."""
+    waiting_replies: int = 0
+    """Requests answered "waiting" untrained: the replica, stepping on its own count, was in a blocking mix."""
     checks_s: float = 0.0
     """CPU seconds (thread time) the worker spent checking requests (validation.enabled): what the checks cost."""
     steps: list = field(default_factory=list, metadata=DETAIL)

@@ -115,6 +115,8 @@ class Worker:
         self._queues: dict[str, collections.deque] = {"forward": collections.deque(), "backward": collections.deque()}
         self._cond = threading.Condition()
         self._closed: Optional[BaseException] = None
+        self.holding = False
+        """In a blocking mix, stepping on its own count: requests are answered "waiting" (:meth:`hold`)."""
         self.progress_changed = threading.Event()
         """Set whenever the local (step, samples) changes, so the node publishes it."""
 
@@ -167,8 +169,8 @@ class Worker:
             if self._closed is not None:
                 task.done(None, self._closed)
                 return
-            if self.progress.own and self.progress.finished:
-                self._done_already(task)
+            if self.progress.own and (self.progress.finished or self.holding):
+                self._answer_now(task)
                 return
             if self.stats.first_request is None:
                 self.stats.first_request = time.time()
@@ -181,11 +183,28 @@ class Worker:
         self.emit("request_refused", method=task.method, problem=problem)
         task.done(None, ValueError(f"refused: {problem}"))
 
-    def _done_already(self, task: Task) -> None:
-        """A replica stepping on its own count that took its last step trains nothing more: it answers at once
-        that it is finished (its peers may still be short of their last steps; the trainer routes to them)."""
-        self.stats.finished_replies += 1
-        task.done({"finished": True, "step": self.progress.step}, None)
+    def _answer_now(self, task: Task) -> None:
+        """A replica stepping on its own count answers at once, untrained, when it took its last step
+        ("finished": its peers may still be short of theirs) or while it waits in a blocking mix ("waiting":
+        its peers need those samples to reach the mix at all). The trainer sends the sample to another."""
+        if self.progress.finished:
+            self.stats.finished_replies += 1
+            task.done({"finished": True, "step": self.progress.step}, None)
+        else:
+            self.stats.waiting_replies += 1
+            task.done({"waiting": True, "step": self.progress.step}, None)
+
+    def hold(self, on: bool) -> None:
+        """Enter (`on`) or leave a blocking mix. Replicas on their own counts reach it one after the other, and
+        the first one there must not sit on requests its peers need to get there: in it, queued and new requests
+        are answered "waiting" at once (a deadlock otherwise: the trainers' requests queued at the waiting
+        replica, the others starved until the mix timed out)."""
+        with self._cond:
+            self.holding = on and self.progress.own
+            if self.holding:
+                for q in self._queues.values():
+                    while q:
+                        self._answer_now(q.popleft())
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -227,7 +246,7 @@ class Worker:
             if self.progress.own and self.progress.finished:  # queued while the last step (and its mix) ran
                 for q in self._queues.values():
                     while q:
-                        self._done_already(q.popleft())
+                        self._answer_now(q.popleft())
             batch = self._take()
         self.stats.idle_s += time.monotonic() - t0
         if not batch:

@@ -127,3 +127,13 @@ def test_a_replica_charged_at_a_too_low_estimate_is_not_left_behind_once_fast():
     drive_timed(b, 400, lambda peer, k: 10.0 if peer == "b" else 0.1)
     got = Counter(drive_timed(b, 100, lambda peer, k: 0.1))
     assert got["b"] >= 20, got  # without settling: 1 of 100
+
+
+def test_a_refunded_call_leaves_the_worker_as_if_never_chosen():
+    """A replica that answered without working (waiting in a mix, or finished) owes nothing for the call."""
+    b = Balancer(ban_s=5)
+    b.update({"a": 10.0, "b": 10.0}, now=0)
+    first = b.choose(now=0, task_size=2)
+    b.refund(first, task_size=2)
+    assert b.workers[first].vruntime == b.workers[({"a", "b"} - {first}).pop()].vruntime == 0
+    assert {b.choose(now=0, task_size=2), b.choose(now=0, task_size=2)} == {"a", "b"}  # level again

@@ -233,6 +233,24 @@ def test_a_replica_on_its_own_count_steps_on_its_batch_then_answers_finished_unt
     assert worker.stats.backward_samples == 4 and all(torch.equal(a, b) for a, b in zip(weights, worker.params))
 
 
+def test_a_replica_on_its_own_count_in_a_blocking_mix_answers_waiting_and_takes_no_work():
+    """The first replica at a round's Mix2 must not sit on requests its peers need to get there (they starved,
+    and the mix timed out): held, it answers queued and new requests "waiting" at once, untrained."""
+    run = small_run("stages=[{role: whole, layers: 4}]", "model.ssn.rank=null", "data_parallel.method=fgdiloco",
+                    "data_parallel.fgdiloco.replicas=2")
+    worker = Worker(run, 0)
+    queued = submit(worker, "forward_backward", samples(2, seed=4))
+    worker.hold(True)
+    assert queued.result == {"waiting": True, "step": 0}
+    assert submit(worker, "forward_backward", samples(2, seed=5)).result == {"waiting": True, "step": 0}
+    assert worker.stats.waiting_replies == 2 and worker.stats.backward_samples == 0 and worker.queued() == 0
+    worker.hold(False)
+    assert "loss" in call(worker, "forward_backward", samples(2, seed=6)) and worker.stats.backward_samples == 2
+    collective = Worker(small_run("stages=[{role: whole, layers: 4}]", "model.ssn.rank=null"), 0)
+    collective.hold(True)  # counting collectively, replicas reach a mix together: nothing is turned away
+    assert not collective.holding
+
+
 def test_without_validation_requests_are_neither_checked_nor_timed():
     run = small_run("validation.enabled=false")
     body = Worker(run, 1)
