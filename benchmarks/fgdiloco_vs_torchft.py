@@ -11,8 +11,8 @@ clipping at 1.0, outer SGD lr 0.7, momentum 0.9, Nesterov; every process at one 
   ``b[r::2]`` of each global batch ``b`` of the data stream ``launch central`` reads).
 - **agoractl**: ``agoractl launch swarm <manifest> --fresh --force --set data_parallel.fgdiloco.variant=V``
   for each variant V (``diloco``: Mix2 global, the DiLoCo algorithm; ``global_m1``: Mix1 global, started in
-  the background at the round's start; ``global_m1_local_m2`` on request): 2 workers (the replicas), 2
-  trainers, a DHT, their p2pd daemons. The shards' claims are forgotten before each run
+  the background at the round's start; ``global_m1_local_m2`` on request): 2 workers (the replicas), the
+  manifest's trainer (one call of 4 samples per inner step), a DHT, their p2pd daemons. The shards' claims are forgotten before each run
   (:func:`cli_runs.unread`), so every run trains from the data's beginning.
 
 Per run: ``tokens_per_s`` over the training window (tokens of the 40 steps / seconds from the first step's
@@ -104,7 +104,8 @@ def measures(r: dict) -> dict:
         stage = r["stages"][0]
         out.update({k: stage.get(k) for k in ("outer_rounds", "mix1_success_mean", "mix2_success_mean")},
                    samples_completed=r["samples_completed"], samples_lost=r["samples_lost"],
-                   end_reason=r.get("end_reason"))
+                   end_reason=r.get("end_reason"), step_samples=r.get("step_samples"),
+                   startup_to_first_step_s=r.get("startup_s"))  # launch to the first optimizer step
     return out
 
 

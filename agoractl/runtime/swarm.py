@@ -476,7 +476,8 @@ class Swarm:
                            processes={"workers_per_stage": self.run.local.workers_per_stage,
                                       "trainers": self.run.local.trainers,
                                       "threads_per_process": self.run.local.threads_per_process},
-                           restarts=self.supervisor.restarts(), node_exits=self.supervisor.exits)
+                           restarts=self.supervisor.restarts(), node_exits=self.supervisor.exits,
+                           launched=psutil.Process().create_time())  # the `agoractl launch swarm` process
         for s in report["stages"]:
             s["restarts"] = self.supervisor.stage_restarts(s["name"])
         report["churn"] = churn.events(self)

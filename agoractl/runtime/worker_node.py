@@ -314,11 +314,12 @@ class WorkerNode:
                 store("announce", self.records.announce_worker, self.record(), ttl, on_success=announced)
                 next_announce = now + self.period
             mine = (progress.step, progress.total)
-            # Peers need our count soon (they step on it) and a new step at once; alone, only newcomers
-            # read the record (for the stage's step), so once per announce period is enough.
-            publish_every = PROGRESS_PEERS_S if progress.peers else self.period
+            # Peers need our count soon (they step on it) and a new step at once; alone, or stepping on its own
+            # count, only newcomers and the checkpoint publisher's choice read it: once per announce period.
+            collective = progress.peers and not progress.own
+            publish_every = PROGRESS_PEERS_S if collective else self.period
             due = (last_published is None
-                   or (progress.peers and mine[0] != last_published[0])
+                   or (collective and mine[0] != last_published[0])
                    or (mine != last_published and now - last_publish >= publish_every)
                    or now - last_publish >= self.period)  # refresh before the record expires
             if due and "progress" not in pending:
@@ -334,7 +335,7 @@ class WorkerNode:
                 if peers is not None:
                     peers.pop(self.peer, None)
                     progress.observe(peers)
-                next_fetch = time.monotonic() + (PROGRESS_PEERS_S if progress.peers else self.period)
+                next_fetch = time.monotonic() + (PROGRESS_PEERS_S if collective else self.period)
             self.worker.progress_changed.wait(0.05)
             self.worker.progress_changed.clear()
 

@@ -13,6 +13,8 @@ before it could write them (SIGKILL), what the swarm last saw of it in the DHT. 
 - ``loss``: [step, mean loss of the samples the tail counted toward that step], merged over trainers;
   ``step_samples``: how many samples those were, {min, max, mean} over the steps (exactly the global batch
   in every step where replicas step on their own counts, ``data_parallel.fgdiloco.replicas``).
+- ``startup_s``: from the launcher's start (the ``agoractl launch swarm`` process) to the first optimizer step
+  any worker took.
 - ``samples_lost``: samples trainers gave up on, plus the in-flight samples of trainers that died.
 - ``stages[]``: per stage ``workers_seen``, ``samples`` (backward passes served), ``max_coalesced``
   and ``mean_coalesced``, ``retries``, ``bans``, ``rejected`` (replies rejected as invalid) and
@@ -79,7 +81,8 @@ def merge_faults(trainers: list[TrainerNodeStats]) -> dict[str, dict]:
 
 
 def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list[TrainerNodeStats],
-              lost_trainers: list[LostTrainer], fallback_elapsed_s: float, **extra: Any) -> dict[str, Any]:
+              lost_trainers: list[LostTrainer], fallback_elapsed_s: float, launched: Optional[float] = None,
+              **extra: Any) -> dict[str, Any]:
     """The run report of a swarm run; it lists every node's :func:`~agoractl.training.node_stats.summary`.
 
     :param worker_stats: per worker its final stats, or for a killed one what its last DHT record
@@ -87,6 +90,7 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
     :param trainer_stats: final stats of the trainers that wrote them
     :param lost_trainers: trainers that died without stats
     :param fallback_elapsed_s: wall time of training as the swarm saw it, used when step times are missing
+    :param launched: wall time the launcher started (``startup_s`` counts from it to the first optimizer step)
     """
     workers, trainers = worker_stats, trainer_stats
     stages = run.stage_names()
@@ -108,6 +112,8 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
     counts = [merged[s][1] for s, _ in loss]
     step_samples = {"min": min(counts), "max": max(counts), "mean": round(sum(counts) / len(counts), 3)} \
         if counts else None
+    first_step = min((w.steps[0][1] for w in workers if w.steps), default=None)
+    startup = round(first_step - launched, 3) if first_step is not None and launched is not None else None
     lost = sum(t.lost for t in trainers) + sum(t.in_flight for t in lost_trainers)
     per_stage = []
     for s in stages:
@@ -132,7 +138,7 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
         })
     return run_report(
         mode="swarm", name=run.metadata.name, steps=steps, tokens=steps * batch * seq_len,
-        elapsed_s=max(elapsed, 1e-9), loss=loss, step_samples=step_samples,
+        elapsed_s=max(elapsed, 1e-9), loss=loss, step_samples=step_samples, startup_s=startup,
         samples_lost=lost,
         samples_dispatched=sum(t.dispatched for t in trainers),
         samples_completed=sum(t.completed for t in trainers),
