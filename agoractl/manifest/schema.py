@@ -208,10 +208,11 @@ class FGDiLoCo(Section):
     variant: Literal["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"] = "global_m1_local_m2"
     """Mixing variant of seed 002."""
     replicas: Optional[int] = Field(None, gt=0)
-    """M of seed 002: the replicas a stage is meant to have. Set, each replica takes its inner steps on its own
-    count, exactly training.global_batch_size / M samples each (the paper's inner steps: a step's global batch
-    is exact, its loss comparable with central's and the simulator's). Null: the replicas of a stage count its
-    samples collectively through the DHT and step together (a step's batch is global_batch_size on average)."""
+    """M of seed 002: the whole-model replicas the run is meant to have (a run of one stage of role whole). Set,
+    each replica takes its inner steps on its own count, exactly training.global_batch_size / M samples each (the
+    paper's inner steps: a step's global batch is exact, its loss comparable with central's and the simulator's).
+    Null: the replicas count the stage's samples collectively through the DHT and step together (a step's batch
+    is global_batch_size on average), as a pipeline's stages must: every sample crosses every stage."""
     allreduce_timeout_s: float = Field(150.0, gt=0)
     """All-reduce timeout of one mix, in seconds."""
     matchmaking_timeout_s: float = Field(40.0, gt=0)
@@ -494,7 +495,11 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
     if (run.training.until_step or 0) > run.training.max_steps:
         out.append(("training.until_step", f"exceeds training.max_steps ({run.training.max_steps})"))
     replicas = run.data_parallel.fgdiloco.replicas
-    if replicas is not None and run.training.global_batch_size % replicas:
+    if replicas is not None and run.data_parallel.method == "fgdiloco" and len(stages) > 1:
+        out.append(("data_parallel.fgdiloco.replicas", "needs a run of one stage of role whole: in a pipeline every "
+                                                       "sample crosses every stage, whose replicas count it "
+                                                       "collectively; set it to null"))
+    elif replicas is not None and run.training.global_batch_size % replicas:
         out.append(("data_parallel.fgdiloco.replicas", f"must divide training.global_batch_size "
                                                        f"({run.training.global_batch_size}); got {replicas}"))
     return out
