@@ -16,7 +16,10 @@ seen ``training.global_batch_size`` samples (:class:`~agoractl.algorithms.progre
 from the DHT by the node); then the replica divides by the samples it accumulated (the mean gradient
 of its share of the batch — the whole batch's mean in a pure pipeline), clips stage-wise to
 ``run.clip_threshold(stage)`` (report §4.3), sets the learning rate of the manifest's schedule and
-steps its own AdamW. Master weights and AdamW moments stay on the CPU (§3.3.1); with a CUDA device
+steps its own AdamW. A whole-model FGDiLoCo replica with ``data_parallel.fgdiloco.replicas`` = M steps on its
+own count instead, every global_batch_size / M samples (seed 002's inner steps); once past its last step, or
+while it waits in a blocking mix, it answers requests at once, untrained (:meth:`Worker.hold`), so that the
+trainers feed its peers. Master weights and AdamW moments stay on the CPU (§3.3.1); with a CUDA device
 the stage computes there and the gradients are copied to the masters at step time.
 
 Hooks for the layers built on top (SPARTA averaging, sync phases, self-termination):

@@ -47,6 +47,9 @@ def test_report_aggregates_nodes_and_counts_killed_ones(run):
     assert r["tokens"] == 3 * 4 * 32
     assert r["elapsed_s"] == pytest.approx(102.0 - 99.0)  # first dispatch to the last stage's final step
     assert r["loss"] == [[0, 5.5], [1, 4.25], [2, 3.25]]  # merged per step; the step past the end dropped
+    assert r["step_samples"] == {"min": 4, "max": 4, "mean": 4.0}  # samples behind each step's loss
+    assert r["startup_s"] is None  # no launch time given
+    assert aggregate(run, workers, trainers, [], 50.0, launched=90.0)["startup_s"] == pytest.approx(99.0 - 90.0)
     assert r["samples_lost"] == 1 + 3  # a trainer's give-ups plus a dead trainer's in-flight samples
     body = next(s for s in r["stages"] if s["name"] == "body-1")
     assert body == {"name": "body-1", "workers_seen": 2, "steps": 3, "samples": 12, "max_coalesced": 3,
