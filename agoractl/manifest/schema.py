@@ -208,11 +208,9 @@ class FGDiLoCo(Section):
     variant: Literal["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"] = "global_m1_local_m2"
     """Mixing variant of seed 002."""
     replicas: Optional[int] = Field(None, gt=0)
-    """M of seed 002: the whole-model replicas the run is meant to have (a run of one stage of role whole). Set,
-    each replica takes its inner steps on its own count, exactly training.global_batch_size / M samples each (the
-    paper's inner steps: a step's global batch is exact, its loss comparable with central's and the simulator's).
-    Null: the replicas count the stage's samples collectively through the DHT and step together (a step's batch
-    is global_batch_size on average), as a pipeline's stages must: every sample crosses every stage."""
+    """M of seed 002, the whole-model replicas of a run of one stage of role whole: each steps on its own count of
+    training.global_batch_size / M samples (a step's batch exact, its loss comparable with central's). Null: the
+    replicas count collectively through the DHT (the batch exact on average), as a pipeline's stages must."""
     allreduce_timeout_s: float = Field(150.0, gt=0)
     """All-reduce timeout of one mix, in seconds."""
     matchmaking_timeout_s: float = Field(40.0, gt=0)
@@ -416,12 +414,10 @@ class Run(Section):
 
     @property
     def replica_batch(self) -> Optional[int]:
-        """Samples per inner step of each replica when replicas step on their own counts (FGDiLoCo with
-        ``data_parallel.fgdiloco.replicas`` = M: global_batch_size / M); None when a stage counts collectively."""
-        dp = self.data_parallel
-        if dp.method != "fgdiloco" or dp.fgdiloco.replicas is None:
-            return None
-        return self.training.global_batch_size // dp.fgdiloco.replicas
+        """Samples per inner step of a replica on its own count (fgdiloco.replicas = M: global batch / M), or None."""
+        fg = self.data_parallel.fgdiloco
+        ok = self.data_parallel.method == "fgdiloco" and fg.replicas is not None
+        return self.training.global_batch_size // fg.replicas if ok else None
 
     def n_segments(self) -> int:
         """SPARTA segments: ceil(1 / fraction) (20 at 5%)."""
@@ -496,9 +492,8 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
         out.append(("training.until_step", f"exceeds training.max_steps ({run.training.max_steps})"))
     replicas = run.data_parallel.fgdiloco.replicas
     if replicas is not None and run.data_parallel.method == "fgdiloco" and len(stages) > 1:
-        out.append(("data_parallel.fgdiloco.replicas", "needs a run of one stage of role whole: in a pipeline every "
-                                                       "sample crosses every stage, whose replicas count it "
-                                                       "collectively; set it to null"))
+        out.append(("data_parallel.fgdiloco.replicas", "needs a run of one stage of role whole (in a pipeline every "
+                                                       "sample crosses every stage); set it to null"))
     elif replicas is not None and run.training.global_batch_size % replicas:
         out.append(("data_parallel.fgdiloco.replicas", f"must divide training.global_batch_size "
                                                        f"({run.training.global_batch_size}); got {replicas}"))
