@@ -12,8 +12,8 @@ clipping at 1.0, outer SGD lr 0.7, momentum 0.9, Nesterov; every process at one 
 - **agoractl**: ``agoractl launch swarm <manifest> --fresh --force --set data_parallel.fgdiloco.variant=V``
   for each variant V (``diloco``: Mix2 global, the DiLoCo algorithm; ``global_m1``: Mix1 global, started in
   the background at the round's start; ``global_m1_local_m2`` on request): 2 workers (the replicas), the
-  manifest's trainer (one call of 4 samples per inner step), a DHT, their p2pd daemons. The shards' claims are forgotten before each run
-  (:func:`cli_runs.unread`), so every run trains from the data's beginning.
+  manifest's trainer (one call of 4 samples per inner step), a DHT, their p2pd daemons. The shards' claims
+  are forgotten before each run (:func:`cli_runs.unread`), so every run trains from the data's beginning.
 
 Per run: ``tokens_per_s`` over the training window (tokens of the 40 steps / seconds from the first step's
 start to the last step's end: the swarm's first dispatch, torchft's first inner step); ``final_loss``, the

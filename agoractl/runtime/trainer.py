@@ -18,9 +18,9 @@ tokens consumed per shard in the DHT, and stops once every stage has taken ``tra
 (``training.until_step`` when set; seen in the workers' replies and records) or its data runs out; where replicas
 step on their own counts (``data_parallel.fgdiloco.replicas``), once every live replica of every stage has
 (:class:`~agoractl.algorithms.progress.ReplicaSteps`; one that finished early answers "finished", and one
-waiting in a blocking mix "waiting", untrained: the sample goes to another replica, or a pinned backward waits). When no
-sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an unreachable DHT), it
-logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
+waiting in a blocking mix "waiting", untrained: the sample goes to another replica, or a pinned backward
+waits). When no sample completes for ``trainers.stall_timeout_s`` (a stage without a reachable worker, an
+unreachable DHT), it logs why, stops and :meth:`Trainer.train` raises :class:`~agoractl.errors.StalledRun` (exit 3).
 
 Every reply is checked before it is used (:class:`~agoractl.algorithms.validation.ReplyChecks`, with
 ``validation.enabled``): a non-finite, malformed or absurd output, gradient or loss is **rejected**, counted in
