@@ -205,9 +205,13 @@ class Worker:
         with self._cond:
             self.holding = on and self.progress.own
             if self.holding:
-                for q in self._queues.values():
-                    while q:
-                        self._answer_now(q.popleft())
+                self._answer_queued()
+
+    def _answer_queued(self) -> None:
+        """Answer every queued request at once, untrained (:meth:`_answer_now`); call holding ``_cond``."""
+        for q in self._queues.values():
+            while q:
+                self._answer_now(q.popleft())
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -247,9 +251,7 @@ class Worker:
             if not self.queued():
                 self._cond.wait(timeout)
             if self.progress.own and self.progress.finished:  # queued while the last step (and its mix) ran
-                for q in self._queues.values():
-                    while q:
-                        self._answer_now(q.popleft())
+                self._answer_queued()
             batch = self._take()
         self.stats.idle_s += time.monotonic() - t0
         if not batch:
