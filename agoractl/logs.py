@@ -43,6 +43,18 @@ def configure(json_lines: bool | None = None, level: str | None = None) -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def reset() -> None:
+    """Forget this process's configuration, bound context and stdlib handlers: a node forked from ``launch swarm``
+    (:mod:`agoractl.runtime.prefork`) configures its own, for its own stderr (its log file)."""
+    global _configured
+    _configured = False
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+
+
 def bind(**context) -> None:
     """Bind node context (run, role, stage, peer) to every later log line of this process."""
     structlog.contextvars.bind_contextvars(**context)

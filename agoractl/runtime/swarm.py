@@ -36,7 +36,8 @@ from agoractl import storage
 from agoractl.auth.node_key import NODE_KEY_ENV
 from agoractl.errors import AgoraError, Interrupted, RuntimeFailure, StalledRun, UsageError
 from agoractl.manifest.schema import Run
-from agoractl.runtime import churn, node
+from agoractl.runtime import churn, node, node_process
+from agoractl.runtime.node_process import Node
 from agoractl.runtime.hosts import Hosts
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.runtime.swarm_supervisor import StopSignals, Supervisor
@@ -57,30 +58,6 @@ SIGTERM at once and this long before SIGKILL (the launcher ends within ``local.s
 UTILITY_GRACE_S = 15.0
 """Seconds a utility node (the Health Monitor: one last read of the trainers' final reports) gets to stop,
 between the trainers and the workers (whose grace then starts)."""
-
-
-@dataclass
-class Node:
-    """A process the swarm started."""
-
-    name: str
-    kind: str  # dht, worker, trainer
-    proc: subprocess.Popen
-    log_path: Path
-    stats_path: Optional[Path] = None
-    stage: Optional[str] = None
-    exit_code: Optional[int] = None
-
-    def poll(self) -> Optional[int]:
-        if self.exit_code is None:
-            self.exit_code = self.proc.poll()
-        return self.exit_code
-
-    def log_tail(self, lines: int = 5) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 @dataclass
@@ -120,6 +97,8 @@ class Swarm:
         self.resume_plan = None
         self.hosts: Optional[Hosts] = None
         self.peer_maddrs: set[str] = set()
+        self.forking = False
+        """Start nodes by forking this process (:mod:`agoractl.runtime.node_process`): the first ones only."""
 
     # -- processes ----------------------------------------------------------------------------
 
@@ -143,9 +122,8 @@ class Swarm:
         env = {**os.environ, node.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         if kind in ("worker", "trainer"):  # one key per slot: a restarted node keeps its metrics instance
             env[NODE_KEY_ENV] = str(self.dir / "keys" / f"{name.split('.r', 1)[0]}.key")
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(argv, stdout=stdout, stderr=log, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)  # own process group: killed as a whole
+        # Once this process imported the node code (start_seed), the first nodes are forked from it.
+        proc = node_process.start(argv, env, log_path, fork=self.forking and kind != "dht", stdout=stdout)
         n = Node(name, kind, proc, log_path, stage=stage)
         self.nodes.append(n)
         return n
@@ -160,6 +138,9 @@ class Swarm:
             lines.put(None)
 
         threading.Thread(target=read, daemon=True).start()
+        if self.hosts is None and node_process.enabled():  # while the seed starts, import what every node imports
+            node_process.warm()
+            self.forking = True
         text, deadline = "", time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -242,7 +223,7 @@ class Swarm:
         except (psutil.Error, OSError):
             pass
         for pid in pids:
-            _signal_group(pid, signal.SIGKILL)
+            node_process.signal_group(pid, signal.SIGKILL)
         reaped = time.monotonic() + 2.0  # the exit codes in the report: SIGKILL takes a moment to land
         for n in self.nodes:
             if n.poll() is None:
@@ -364,7 +345,8 @@ class Swarm:
             # Trainers start now too (their start-up overlaps the workers'); each waits until every
             # stage has local.workers_per_stage live workers before its first sample.
             trainers = [self.start_trainer(i) for i in range(self.run.local.trainers)]
-            # The launcher's own DHT client (it watches the run's records) starts while the nodes import.
+            # The launcher's own DHT client (it watches the run's records) starts while the nodes start.
+            self.forking = False  # from here on this process runs threads a fork must not copy half-done
             self.dht = node.start_dht(self.hosts.launcher_run(self.run) if self.hosts else self.run, self.maddrs,
                                       client_mode=True)
             self.records = RunRecords(self.dht, self.run.metadata.name)
@@ -477,20 +459,13 @@ class Swarm:
                                       "trainers": self.run.local.trainers,
                                       "threads_per_process": self.run.local.threads_per_process},
                            restarts=self.supervisor.restarts(), node_exits=self.supervisor.exits,
-                           launched=psutil.Process().create_time())  # the `agoractl launch swarm` process
+                           launched=node_process.started_at())  # the `agoractl launch swarm` process
         for s in report["stages"]:
             s["restarts"] = self.supervisor.stage_restarts(s["name"])
         report["churn"] = churn.events(self)
         if self.hosts is not None:
             report["hosts"] = {"hosts": self.hosts.describe(), "peer_maddrs": sorted(self.peer_maddrs)}
         return report
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _read_json(path: Optional[Path]) -> Optional[dict]:

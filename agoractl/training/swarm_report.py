@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from agoractl.algorithms.sparta import round_summary
 from agoractl.manifest.schema import Run
 from agoractl.training.node_stats import LostTrainer, TrainerNodeStats, WorkerNodeStats, summary
 from agoractl.training.report import run_report
@@ -41,6 +40,10 @@ def _stage_completion(workers: list[WorkerNodeStats], stage: str, step_index: in
 
 def _averaging(workers: list[WorkerNodeStats]) -> dict[str, Any]:
     """A stage's SPARTA health from its workers' round records (report §5.7.1)."""
+    # Here, not at the top: the sparta module imports torch, which `launch swarm` would then import before it
+    # starts the DHT seed (node_process.warm imports it afterwards, while the seed starts).
+    from agoractl.algorithms.sparta import round_summary
+
     return round_summary([r for w in workers for r in w.rounds])
 
 

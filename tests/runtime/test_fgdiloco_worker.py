@@ -23,7 +23,8 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
     values = corpus + [
         "model.seq_len=64", "training.max_steps=16", "training.schedule.warmup_steps=2",
         "data_parallel.fgdiloco.inner_steps=4", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
-        "trainers.request_timeout_s=30", "network.startup_timeout_s=90", "data_parallel.fgdiloco.matchmaking_timeout_s=10",
+        "trainers.request_timeout_s=30", "network.startup_timeout_s=90",
+        "data_parallel.fgdiloco.matchmaking_timeout_s=10",
         f"local.run_dir={run_dir}", f"checkpoints.store={tmp_path / 'store'}",
         "model.ssn.rank=null", "checkpoints.every_steps=8"]
     p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-dp-cpu.yaml")
@@ -36,6 +37,12 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
     first = sum(v for _, v in report["loss"][:3]) / 3
     assert report["final_loss"] < first - 0.3, report["loss"]
     assert list(by_stage(report)) == ["whole"]
+    # Forked from the launcher once it imported the node code (agoractl.runtime.node_process): a worker's own
+    # process spends well under the ~4.5 s of CPU the imports alone take (about 0.2 s here).
+    assert all(w["cpu_at_ready_s"]["node"] < 2.0 for w in report["workers"]), \
+        [w["cpu_at_ready_s"] for w in report["workers"]]
+    assert all(t["cpu_at_start_s"]["node"] < 2.0 for t in report["trainers"]), report["trainers"]
+    assert 0 < report["startup_s"] < 60, report["startup_s"]
     for name, stage in by_stage(report).items():
         assert stage["outer_rounds"] == 4 and stage["workers_seen"] == 2, stage  # 16 steps / H = 4
         assert stage["mix2_success_mean"] is not None and stage["mix2_success_mean"] > 0.8, stage
