@@ -115,6 +115,7 @@ class Trainer(TrainerData):
         self.stats.session, self.seq = secrets.token_hex(8), 0
         self._dht_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-dht")
         self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-data")
+        self._ahead: Optional[list] = None  # the first draws, made while waiting for workers (_draw_ahead)
         self._last_discovery = {s: float("-inf") for s in self.stages}
         self.stall = StallClock(self.t.stall_timeout_s, time.monotonic())
         self.stall.observe(0, time.monotonic())
@@ -330,7 +331,7 @@ class Trainer(TrainerData):
     async def _pipeline(self) -> None:
         while not self.stop.is_set() and not self.finished():
             await self._mark_checkpoint()
-            drawn = await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
+            drawn = await self._next_draw()
             if drawn is None:
                 if not (self.stop.is_set() or self.finished()):
                     epochs = getattr(getattr(self._stream, "claims", None), "epochs_done", None)
@@ -385,6 +386,7 @@ class Trainer(TrainerData):
     async def _wait_for_stages(self) -> None:
         """Training begins when every stage advertises an available worker (§3.3.2.1), or `min_workers` of them."""
         t0 = time.monotonic()
+        self._draw_ahead()
         while not self.stop.is_set():
             if hasattr(self._stream, "flush"):  # keep the shards claimed at start leased meanwhile
                 await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)

@@ -49,6 +49,19 @@ class TrainerData:
                 ids.append(list(self._stream.last))
         return (torch.stack(drawn), ids, draw) if drawn else None
 
+    def _draw_ahead(self) -> None:
+        """Start drawing the first microbatches (one per pipeline) on the data thread while the trainer still waits
+        for workers: the first reads of a shard (claim, open, decode) then cost nothing once training begins."""
+        if self._ahead is None:
+            loop = asyncio.get_running_loop()
+            self._ahead = [loop.run_in_executor(self._data_pool, self._draw) for _ in range(self.t.in_flight)]
+
+    async def _next_draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
+        """The next microbatch (:meth:`_draw`): those drawn ahead first, in order."""
+        if self._ahead:
+            return await self._ahead.pop(0)
+        return await asyncio.get_running_loop().run_in_executor(self._data_pool, self._draw)
+
     def _settle(self, seq_ids: list, completed: bool) -> None:
         """Completed (or given up): noted at once (a reader waiting at the epoch's end flushes it), then written
         to the shard ledger on the data thread; logged with trainers.record_sequences (a killed trainer's record)."""
