@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share to run agoractl commands: a command's JSON output, and `--set` arguments.
+"""Helpers the benchmarks share to run agoractl commands: a command's JSON output, `--set` arguments, and the
+result file written whole or not at all.
 
 Imported by the scripts in this directory when run as ``python benchmarks/<script>.py`` (their directory is
 then first on ``sys.path``)."""
@@ -43,3 +44,10 @@ def sample_shards(tmp: Path, manifest: Path, rows: int = 2000, shards: int = 4) 
     data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={tmp / 'shards'}", f"data.num_shards={shards}"]
     agoractl("shard", str(manifest), *sets(data))
     return data
+
+
+def write_json(path: Path, result: dict) -> None:
+    """Write a benchmark's result to `path` atomically (a temp name, then a rename): never a half-written file."""
+    part = Path(path).with_name(Path(path).name + ".tmp")
+    part.write_text(json.dumps(result, indent=2))
+    part.replace(path)

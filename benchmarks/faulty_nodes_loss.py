@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli_runs import ROOT, sets
+from cli_runs import ROOT, sets, write_json
 
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 TARGET = 0.03
@@ -269,9 +269,7 @@ def main(argv=None) -> int:
               "runs": [{k: {kk: vv for kk, vv in v.items() if kk != "loss"} if isinstance(v, dict) else v
                         for k, v in r.items()} for r in pairs + controls]}
     if a.out is not None:
-        tmp_out = a.out.with_name(a.out.name + ".tmp")
-        tmp_out.write_text(json.dumps(result, indent=2))
-        tmp_out.replace(a.out)
+        write_json(a.out, result)
     if a.json:
         print(json.dumps(result, indent=2))
     else:

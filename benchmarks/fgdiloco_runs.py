@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli_runs import sample_shards, sets, unread
+from cli_runs import sample_shards, sets, unread, write_json
 
 from agoractl.algorithms.fgdiloco import VARIANTS
 
@@ -125,9 +125,7 @@ def main(argv=None) -> int:
                           "load_avg_1m_after": round(os.getloadavg()[0], 2)},
               "summary": summary, "runs": runs}
     if a.out is not None:
-        part = a.out.with_name(a.out.name + ".tmp")
-        part.write_text(json.dumps(result, indent=2))
-        part.replace(a.out)
+        write_json(a.out, result)
     print(json.dumps(summary))
     return 0 if summary["clean"] == a.runs else 1
 

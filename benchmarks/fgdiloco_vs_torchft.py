@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli_runs import sample_shards, sets, unread
+from cli_runs import sample_shards, sets, unread, write_json
 from swarm_vs_central import GroupCPU
 
 from agoractl.algorithms.fgdiloco import VARIANTS
@@ -182,9 +182,7 @@ def main(argv=None) -> int:
                           "load_avg_1m_after": round(os.getloadavg()[0], 2)},
               "summary": summarize(runs, variants), "runs": runs}
     if a.out is not None:
-        part = a.out.with_name(a.out.name + ".tmp")
-        part.write_text(json.dumps(result, indent=2))
-        part.replace(a.out)
+        write_json(a.out, result)
     if a.json:
         print(json.dumps(result, indent=2))
         return 0

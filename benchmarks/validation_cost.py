@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 import torch
-from cli_runs import agoractl, sample_shards, sets, unread
+from cli_runs import agoractl, sample_shards, sets, unread, write_json
 
 from agoractl.algorithms.validation import ReplyChecks, inputs_problem, request_problem
 from agoractl.manifest.loader import load_manifest
@@ -231,9 +231,7 @@ def main(argv=None) -> int:
         r["swarm"] = swarm(a.manifest, a.overrides, a.swarm_repeats, a.swarm_steps)
         r["within_target"] = r["swarm"]["within_target"]  # the measure: the swarm's tokens/s
     if a.out is not None:
-        tmp = a.out.with_name(a.out.name + ".tmp")
-        tmp.write_text(json.dumps(r, indent=2))
-        tmp.replace(a.out)
+        write_json(a.out, r)
     if a.json:
         print(json.dumps(r, indent=2))
     else:
