@@ -82,6 +82,9 @@ def claim_run(serial_s3_server, tmp_path_factory):
     s3 = s3_client_env(serial_s3_server)
     env = {**os.environ, **{k: v for k, v in s3.items() if k != "make_bucket"}, "PYTHONUNBUFFERED": "1"}
     env.pop("AGORA_DEBUG", None)
+    # Trainers A and K start as new interpreters beside the swarm's own trainer Z: Z starts as one too (not forked
+    # from the launcher, which starts it seconds earlier), or it may read the whole epoch before they claim a shard.
+    env["AGORA_FORK_NODES"] = "0"
     out = s3["make_bucket"](f"claims-{uuid.uuid4().hex[:8]}") + "/run"
     src = sample_corpus(tmp / "corpus", rows=10, files=1, seed=3)
     with pytest.MonkeyPatch.context() as mp:  # this process writes the shards and reads the claims in the bucket
