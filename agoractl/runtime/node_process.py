@@ -4,7 +4,7 @@ once it imported the node code (:func:`start`).
 A node process spends most of its start-up importing torch, hivemind (scipy with it) and agoractl's runtime:
 about 4.5 s of CPU each on this 2-core machine, and a swarm starts three or more at once, all before the
 first optimizer step. ``launch swarm`` must import the same modules for its own DHT client anyway, so it
-imports them once (:func:`warm`, while the DHT seed starts) and forks each worker, trainer and utility node
+imports them once (:func:`warm`, while the DHT seed starts) and forks each of its first workers and trainers
 from itself (:func:`fork_node`): the child runs the very same command line (``agoractl launch worker ...``)
 in a fresh session, with its own environment, stdin and stdout on ``/dev/null`` and stderr on its log - what
 ``subprocess.Popen`` gave it, without the imports (``ps`` shows the launcher's command line, and a process name

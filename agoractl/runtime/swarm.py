@@ -122,8 +122,11 @@ class Swarm:
         env = {**os.environ, node.PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         if kind in ("worker", "trainer"):  # one key per slot: a restarted node keeps its metrics instance
             env[NODE_KEY_ENV] = str(self.dir / "keys" / f"{name.split('.r', 1)[0]}.key")
-        # Once this process imported the node code (start_seed), the first nodes are forked from it.
-        proc = node_process.start(argv, env, log_path, fork=self.forking and kind != "dht", stdout=stdout)
+        # Once this process imported the node code (start_seed), the first workers and trainers are forked from it.
+        # Not the seed (it starts first) nor utility nodes (their stacks are others; the Health Monitor and the
+        # Dashboard, started together in no time, raced on their database's migrations).
+        fork = self.forking and kind in ("worker", "trainer")
+        proc = node_process.start(argv, env, log_path, fork=fork, stdout=stdout)
         n = Node(name, kind, proc, log_path, stage=stage)
         self.nodes.append(n)
         return n
