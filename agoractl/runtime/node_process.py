@@ -160,7 +160,11 @@ def fork_node(argv: Sequence[str], env: dict[str, str], log_path: Path) -> Forke
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:  # out of processes or memory: raised to the launcher, as Popen would
+        os.close(log_fd)
+        raise
     if pid:
         os.close(log_fd)
         return ForkedProcess(pid, args)
