@@ -74,7 +74,9 @@ def test_killed_tail_worker_is_replaced_twice_and_the_run_reaches_max_steps(samp
     p, status = run_swarm(procs, run_dir, private_shards(sample_shards, tmp_path) + SMALL + [
         f"training.max_steps={MAX_STEPS}", "local.max_restarts=2", "local.stall_timeout_s=120",
         "checkpoints.every_steps=10"])
-    s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= 5)
+    # Past the step-10 checkpoint, so each replacement has one in the store to rejoin from (killed sooner, a fast
+    # start's replacements found none and started from init).
+    s = wait_status(status, p, lambda s: s["stages"]["tail"]["step"] >= 15)
     for attempt in (1, 2):
         victim = current(s, "worker-tail-0")
         os.killpg(victim["pid"], signal.SIGKILL)  # the whole node: python, its DHT process and p2pd
