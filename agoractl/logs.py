@@ -45,7 +45,7 @@ def configure(json_lines: bool | None = None, level: str | None = None) -> None:
 
 def reset() -> None:
     """Forget this process's configuration, bound context and stdlib handlers: a node forked from ``launch swarm``
-    (:mod:`agoractl.runtime.prefork`) configures its own, for its own stderr (its log file)."""
+    (:mod:`agoractl.runtime.node_process`) configures its own, for its own stderr (its log file)."""
     global _configured
     _configured = False
     structlog.reset_defaults()
