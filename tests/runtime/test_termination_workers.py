@@ -165,11 +165,16 @@ def test_a_worker_failing_two_of_three_rounds_terminates_itself(trainer, workers
     async def feed():
         client = await client_of(dht)
         await asyncio.sleep(3)  # both have seen each other's record before the first round
+        deadline = time.monotonic() + 180  # a healthy sample takes well under a second: never wait out a hang
         for _ in range(12):  # one step of the stage per pair of samples, a round per step
-            if workers.procs["f"].poll() is not None:
+            if workers.procs["f"].poll() is not None or time.monotonic() > deadline:
                 return
-            # A call to f may meet it shutting down once it terminated itself.
-            await asyncio.gather(sample(client, a), sample(client, b), sample(client, f), return_exceptions=True)
+            # A call to f may meet it shutting down once it terminated itself (an error, or no answer: bounded).
+            calls = asyncio.gather(sample(client, a), sample(client, b), sample(client, f), return_exceptions=True)
+            try:
+                await asyncio.wait_for(calls, 30)
+            except asyncio.TimeoutError:
+                pass
             await asyncio.sleep(1)
 
     asyncio.run(feed())
