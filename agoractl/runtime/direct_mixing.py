@@ -41,7 +41,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
@@ -82,8 +82,8 @@ class _Mix:
         self.sending = False
         self.got: dict[str, torch.Tensor] = {}
         self.bytes_received = self.bytes_sent = self.dropped = 0
-        self.declined: set[str] = set()
-        self.dead: set[str] = set()
+        self.declined: set[str] = set()  # partners that will not take part
+        self.dead: set[str] = set()  # partners whose pushes kept failing, that left, or were refused
         self.errors: dict[str, str] = {}
         self.changed = asyncio.Event()
         self.sends: dict[str, asyncio.Task] = {}
@@ -93,19 +93,6 @@ class _Mix:
         a partner may still be waiting for them."""
         return (all(p in self.got or p in self.declined or p in self.dead for p in self.partners)
                 and all(task.done() for task in self.sends.values()))
-
-
-class DirectMix:
-    """A running direct mix (a :class:`~agoractl.training.fgdiloco_rounds.MixHandle`)."""
-
-    def __init__(self, future: concurrent.futures.Future, values: torch.Tensor):
-        self.future, self.values = future, values
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def result(self, timeout: Optional[float] = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.future.result(timeout=timeout)
 
 
 class DirectMixing(ServicerBase):
@@ -205,7 +192,7 @@ class DirectMixing(ServicerBase):
         serialized = self.wire.compress(flat, CompressionInfo.from_tensor(flat))
         own = deserialize_torch_tensor(serialized).float()  # what the partners will hold of it
         future = asyncio.run_coroutine_threadsafe(self._mix(kind, index, partners, serialized), self.loop)
-        out: concurrent.futures.Future = concurrent.futures.Future()
+        out: concurrent.futures.Future = concurrent.futures.Future()  # a MixHandle: done(), result(timeout)
 
         def finish(f: concurrent.futures.Future) -> None:
             try:
@@ -214,7 +201,7 @@ class DirectMixing(ServicerBase):
                 out.set_exception(e)
 
         future.add_done_callback(finish)
-        return DirectMix(out, flat)
+        return out
 
     def _average(self, outcome: tuple[_Mix, float], flat: torch.Tensor, own: torch.Tensor):
         mix, duration = outcome
@@ -490,9 +477,9 @@ def direct_mixing(run, stage: str, dht, peers, size: int, admitted=None) -> Dire
     fg, me = run.data_parallel.fgdiloco, dht.peer_id.to_base58()
     maddr = dht.run_coroutine(_daemon_maddr)
 
-    def sources() -> list[str]:  # operators first (they serve the state), then by peer id
+    def sources() -> list[str]:  # the stage's operators serve its state (as hivemind's averager shares it)
         workers = peers.records.stage_workers(stage)
-        return sorted((p for p in workers if p != me), key=lambda p: (workers[p].role != "operator", p))
+        return sorted(p for p, rec in workers.items() if p != me and getattr(rec, "role", None) == "operator")
 
     gate = admitted.auth.gate_replica(stage) if admitted is not None else None
     return DirectMixing(lambda: P2P.replicate(maddr), f"{namespace(run.metadata.name, stage)}.mix", peers.live_ids,
