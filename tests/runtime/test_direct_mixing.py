@@ -6,7 +6,7 @@ pairs (each replica with the partner the seeded matching picks, the one left ove
 starts its mix seconds after the others (its values wait in their inboxes / theirs in its), a partner that is
 killed (not waited for: partial within seconds, bytes and success agree) or alive but never mixing (the deadline;
 failed with nothing received), a partner that skipped the mix declining it at once, the bf16 wire, admission
-(a replica without a valid credential is refused both ways), and the stage state served to a joining worker.
+(real credentials: a worker of another stage is refused both ways), and the stage state served to a joining worker.
 About half a minute on a loaded 2-core machine.
 """
 
@@ -20,6 +20,8 @@ import torch
 from hivemind.p2p import P2P
 
 from agoractl.algorithms.fgdiloco import partner_of, random_matching
+from agoractl.auth import credential, keys
+from agoractl.runtime.peer_auth import PeerAuth
 from agoractl.runtime.direct_mixing import DEAD_AFTER_S, DirectMixing
 
 SIZE = 5000
@@ -46,7 +48,7 @@ def replicas(n: int, deadline_s: float = 20.0, wire_dtype: str = "fp32", gates=N
 
         m = DirectMixing(connect, NS, live, size=SIZE, deadline_s=deadline_s, send_timeout_s=10.0,
                          wire_dtype=wire_dtype, chunk_bytes=4096,
-                         gate=gates[i] if gates else None, token=(lambda t=tokens[i]: t) if tokens else lambda: None)
+                         gate=gates[i] if gates else None, token=tokens[i] if tokens else lambda: None)
         maddrs += m.visible_maddrs()
         out.append(m)
     live.ids = sorted(m.peer for m in out)
@@ -184,21 +186,27 @@ def test_bf16_wire(swarm):
 
 
 def test_admission_refuses_a_replica_without_a_valid_credential(swarm):
-    good = {"good-token"}
-
-    def gate(token, peer):
-        if token not in good:
-            raise PermissionError("credential refused: forged")
-
-    _, ms = swarm(3, deadline_s=20.0, gates=[gate] * 3, tokens=["good-token", "good-token", "stolen"])
+    """Real credentials (agoractl.auth) checked by PeerAuth.gate_replica: a worker of another stage gets nothing
+    and gives nothing; the two admitted replicas mix with each other, counting the refusals."""
+    key = keys.generate()
+    auth = [PeerAuth("test-run", keys.public_text(key)) for _ in range(3)]
+    tokens = [None] * 3
+    _, ms = swarm(3, deadline_s=20.0, gates=[a.gate_replica("whole") for a in auth],
+                  tokens=[lambda i=i: tokens[i] for i in range(3)])
+    for i, (m, stage) in enumerate(zip(ms, ["whole", "whole", "body-1"])):
+        tokens[i] = credential.issue(key, run="test-run", node_id=f"n{i}", account="x", role="worker", stage=stage,
+                                     peer_id=m.peer, ttl_s=300, serial=1)
     vals = values(3)
     t0 = time.monotonic()
     results = mix_all(ms, "global", 1, vals)
     assert time.monotonic() - t0 < DEAD_AFTER_S + 8
     for mixed, rec in results[:2]:
         assert rec["status"] == "partial" and rec["bytes_received"] == SIZE * 4, rec
+        assert "credential refused: wrong_stage" in rec["error"], rec
         torch.testing.assert_close(mixed, (vals[0] + vals[1]) / 2, rtol=0, atol=1e-6)
-    assert results[2][1]["status"] == "failed" and results[2][1]["bytes_received"] == 0
+    assert results[2][1]["status"] == "failed" and results[2][1]["bytes_received"] == 0, results[2][1]
+    assert torch.equal(results[2][0], vals[2])
+    assert all(a.stats()["refused"].get("direct_mixing:wrong_stage", 0) >= 1 for a in auth[:2]), auth[0].stats()
 
 
 def test_stage_state_served_to_a_joining_worker(swarm):
