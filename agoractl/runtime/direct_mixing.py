@@ -36,7 +36,6 @@ The transport runs its own asyncio loop on a thread and its own P2P replica of t
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import random
 import threading
@@ -191,20 +190,10 @@ class DirectMixing(ServicerBase):
             raise ValueError(f"mix of {flat.numel()} values; this transport mixes {self.size}")
         serialized = self.wire.compress(flat, CompressionInfo.from_tensor(flat))
         own = deserialize_torch_tensor(serialized).float()  # what the partners will hold of it
-        future = asyncio.run_coroutine_threadsafe(self._mix(kind, index, partners, serialized), self.loop)
-        out: concurrent.futures.Future = concurrent.futures.Future()  # a MixHandle: done(), result(timeout)
+        # A concurrent Future is a MixHandle (done(), result(timeout)): the mix's result, averaged off the loop.
+        return asyncio.run_coroutine_threadsafe(self._mix(kind, index, partners, serialized, flat, own), self.loop)
 
-        def finish(f: concurrent.futures.Future) -> None:
-            try:
-                out.set_result(self._average(f.result(), flat, own))
-            except BaseException as e:
-                out.set_exception(e)
-
-        future.add_done_callback(finish)
-        return out
-
-    def _average(self, outcome: tuple[_Mix, float], flat: torch.Tensor, own: torch.Tensor):
-        mix, duration = outcome
+    def _average(self, mix: _Mix, duration: float, flat: torch.Tensor, own: torch.Tensor):
         heard = [p for p in mix.partners if p in mix.got]
         n = len(mix.partners)
         if heard:
@@ -231,7 +220,8 @@ class DirectMixing(ServicerBase):
 
     # ---- mixing (transport's loop) -----------------------------------------------------------------
 
-    async def _mix(self, kind: str, index: int, partners: list[str], serialized) -> tuple[_Mix, float]:
+    async def _mix(self, kind: str, index: int, partners: list[str], serialized, flat: torch.Tensor,
+                   own: torch.Tensor) -> tuple[torch.Tensor, dict]:
         t0 = time.monotonic()
         self._advance(index)
         mix = self.open[index] = _Mix(index, kind, partners, serialized)
@@ -264,7 +254,7 @@ class DirectMixing(ServicerBase):
                 task.cancel()
             del self.open[index]
             self._advance(index + 1)
-        return mix, time.monotonic() - t0
+        return await self.loop.run_in_executor(None, self._average, mix, time.monotonic() - t0, flat, own)
 
     def _advance(self, floor: int) -> None:
         """Move past every index below `floor`: pushes held for them will never be mixed; tell their senders."""
@@ -318,7 +308,6 @@ class DirectMixing(ServicerBase):
             except PermissionError as e:  # the callee's credential: do not use what it sends either
                 mix.dead.add(peer)
                 mix.errors[peer] = str(e)[:120]
-                mix.got.pop(peer, None)
                 break
             except Exception as e:
                 now = time.monotonic()

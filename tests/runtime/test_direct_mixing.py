@@ -5,9 +5,9 @@ this process. Covers: a global mix of two and of three replicas (the exact mean,
 pairs (each replica with the partner the seeded matching picks, the one left over skipped), a replica that
 starts its mix seconds after the others (its values wait in their inboxes / theirs in its), a partner that is
 killed (not waited for: partial within seconds, bytes and success agree) or alive but never mixing (the deadline;
-failed with nothing received), a partner that skipped the mix declining it at once, the bf16 wire, admission
-(real credentials: a worker of another stage is refused both ways), and the stage state served to a joining worker.
-About half a minute on a loaded 2-core machine.
+failed with nothing received) or gone from the stage's live replicas, non-finite values (dropped), a partner that
+skipped the mix declining it at once, the bf16 wire, admission (real credentials: a worker of another stage is
+refused both ways), and the stage state served to a joining worker. Under a minute on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -172,6 +172,27 @@ def test_a_partner_that_skips_the_mix_declines_it(swarm):
     ms[1].start("none", 7, vals[1])  # the partner goes past 6 (it joined mid-round): it tells the sender
     mixed, rec = handle.result(timeout=30)
     assert rec["status"] == "failed" and rec["duration_s"] < 5 and "declined" in rec["error"], rec
+
+
+def test_a_partner_that_left_the_stage_is_not_waited_for(swarm):
+    live, ms = swarm(2, deadline_s=30.0)
+    vals = values(2)
+    handle = ms[0].start("global", 3, vals[0])
+    time.sleep(0.5)
+    live.ids = [ms[0].peer]  # its DHT record expired: it is no longer among the stage's replicas
+    mixed, rec = handle.result(timeout=30)
+    assert rec["status"] == "failed" and rec["duration_s"] < 5 and "left the stage" in rec["error"], rec
+    assert rec["bytes_received"] == 0 and torch.equal(mixed, vals[0])
+
+
+def test_non_finite_values_are_dropped(swarm):
+    _, ms = swarm(2)
+    vals = values(2)
+    bad = vals[1].clone()
+    bad[7] = float("nan")
+    (mixed, rec), (_, rec1) = mix_all(ms, "global", 2, [vals[0], bad])
+    assert rec["status"] == "failed" and rec["dropped_parts"] == 1 and rec["bytes_received"] == 0, rec
+    assert torch.equal(mixed, vals[0]) and rec1["status"] == "complete"
 
 
 def test_bf16_wire(swarm):
