@@ -127,7 +127,8 @@ def main(argv=None) -> int:
                "stalled_mixes": sum(len(r.get("stalled", [])) for r in runs),
                "inconsistent_records": sum(len(r.get("inconsistent", [])) for r in runs),
                "mixes": sum(r.get("mixes", 0) for r in runs)}
-    result = {"manifest": str(a.manifest), "transport": a.transport, "variants": variants, "overrides": a.overrides, "stall_s": a.stall_s,
+    result = {"manifest": str(a.manifest), "transport": a.transport, "variants": variants, "overrides": a.overrides,
+              "stall_s": a.stall_s,
               "machine": {"cpus": os.cpu_count(), "load_avg_1m_before": round(load_before, 2),
                           "load_avg_1m_after": round(os.getloadavg()[0], 2)},
               "summary": summary, "runs": runs}
