@@ -16,9 +16,10 @@ the variants taken in turn (``--variant``, repeatable; default all four), each r
 - and whether the run itself was whole: exit 0, every step taken, no sample lost, every step's batch exact
   (``step_samples``).
 
-A run is clean when all four are nil; the figure is the longest streak of clean runs and the count of clean
+``--transport direct|hivemind`` sets ``data_parallel.fgdiloco.transport`` (default: the manifest's). A run is
+clean when all four are nil; the figure is the longest streak of clean runs and the count of clean
 ones. JSON (``--out``) lists every run's figures (tokens/s, final loss, start-up to the first optimizer step,
-mix durations) and the summary.
+mix durations, also Mix1's and Mix2's medians apart) and the summary.
 
     python benchmarks/fgdiloco_runs.py --runs 20 --out fgdiloco_runs.json
 """
@@ -64,11 +65,15 @@ def judge(report: dict, records: list[dict], stall_s: float) -> dict:
     brief = lambda rs: [{k: r.get(k) for k in ("worker", "mix", "round", "status", "averaging_success",
                                                "bytes_received", "duration_s", "error")} for r in rs]
     durations = sorted(r["duration_s"] for r in ran if r.get("duration_s") is not None)
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+    by_mix = {m: median([r["duration_s"] for r in ran if r.get("mix") == m and r.get("duration_s") is not None])
+              for m in ("mix1", "mix2")}
     return {"tokens_per_s": round(report.get("tokens_per_s", 0.0), 1), "final_loss": report.get("final_loss"),
             "startup_s": report.get("startup_s"), "end_reason": report.get("end_reason"),
             "step_samples": report.get("step_samples"), "samples_lost": report.get("samples_lost"),
             "mixes": len(ran), "mix_s_median": durations[len(durations) // 2] if durations else None,
             "mix_s_max": durations[-1] if durations else None,
+            "mix1_s_median": by_mix["mix1"], "mix2_s_median": by_mix["mix2"],
             "failed": brief(failed), "stalled": brief(stalled), "inconsistent": brief(inconsistent),
             "run_whole": whole, "clean": whole and not (failed or stalled or inconsistent)}
 
@@ -80,6 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant", dest="variants", action="append", choices=list(VARIANTS),
                    help="variants taken in turn (repeatable); default all four")
     p.add_argument("--stall-s", type=float, default=5.0, help="a mix longer than this is stalled")
+    p.add_argument("--transport", choices=["direct", "hivemind"], help="data_parallel.fgdiloco.transport")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="manifest override (repeatable)")
     p.add_argument("--out", type=Path, help="write the JSON here")
     a = p.parse_args(argv)
@@ -91,7 +97,8 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fgdiloco-runs-") as tmp:
         tmp = Path(tmp)
-        data = sample_shards(tmp, a.manifest) + a.overrides
+        transport = [f"data_parallel.fgdiloco.transport={a.transport}"] if a.transport else []
+        data = sample_shards(tmp, a.manifest) + transport + a.overrides
         for i in range(a.runs):
             v = variants[i % len(variants)]
             unread(tmp / "shards")
@@ -120,7 +127,8 @@ def main(argv=None) -> int:
                "stalled_mixes": sum(len(r.get("stalled", [])) for r in runs),
                "inconsistent_records": sum(len(r.get("inconsistent", [])) for r in runs),
                "mixes": sum(r.get("mixes", 0) for r in runs)}
-    result = {"manifest": str(a.manifest), "variants": variants, "overrides": a.overrides, "stall_s": a.stall_s,
+    result = {"manifest": str(a.manifest), "transport": a.transport, "variants": variants, "overrides": a.overrides,
+              "stall_s": a.stall_s,
               "machine": {"cpus": os.cpu_count(), "load_avg_1m_before": round(load_before, 2),
                           "load_avg_1m_after": round(os.getloadavg()[0], 2)},
               "summary": summary, "runs": runs}

@@ -32,9 +32,6 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
-PositiveInt = Field(gt=0)
-
-
 class Metadata(Section):
     name: str = Field("run", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     """Run name: lowercase letters, digits and dashes. Prefixes every DHT key of the run."""
@@ -207,6 +204,9 @@ class FGDiLoCo(Section):
     """Nesterov momentum in the outer step."""
     variant: Literal["diloco", "global_m1", "global_m1_local_m2", "local_m1_m2"] = "global_m1_local_m2"
     """Mixing variant of seed 002."""
+    transport: Literal["direct", "hivemind"] = "direct"
+    """How mixes travel: direct pushes between the stage's replicas (no matchmaking, runtime/direct_mixing.py; the
+    timeouts below bound a mix's wait), or hivemind's averager (matchmaking, butterfly all-reduce)."""
     replicas: Optional[int] = Field(None, gt=0)
     """M of seed 002, the whole-model replicas of a run of one stage of role whole: each steps on its own count of
     training.global_batch_size / M samples (a step's batch exact, its loss comparable with central's). Null: the
@@ -393,8 +393,7 @@ class Run(Section):
         names = self.stage_names()
         if name not in names:
             raise KeyError(f"no stage {name!r}; stages are {', '.join(names)}")
-        i = names.index(name)
-        return i, self.stages[i]
+        return names.index(name), self.stages[names.index(name)]
 
     def layer_range(self, index: int) -> tuple[int, int]:
         """Global block indices [start, stop) owned by stage `index`."""

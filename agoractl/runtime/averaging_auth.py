@@ -102,7 +102,7 @@ class AdmittedAverager(StageAverager):
         AdmittedAverager._active = self
         # A refusal raised in a streaming handler reaches the caller as its error message, and is counted here;
         # hivemind would also log it with a traceback at WARNING, which a rogue peer could use to flood the log.
-        logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_a_refusal)
+        logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(not_a_refusal)
         super().run()
 
     def _own(self) -> tuple[Optional[str], frozenset]:
@@ -196,7 +196,7 @@ class AdmittedAverager(StageAverager):
         self._told[peer] = (token, time.monotonic())
 
 
-def _not_a_refusal(record: logging.LogRecord) -> bool:
+def not_a_refusal(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
     return not (isinstance(error, PermissionError) and str(error).startswith("credential refused"))
 

@@ -1,8 +1,9 @@
 """Joining a running stage (report §3.3.1.1): the stage state a worker serves to joiners and loads.
 
 The state is the stage's trainable parameters and its AdamW state at a step. Operators serve it
-directly to joining peers (hivemind's ``rpc_download_state`` through the stage's averager, metadata
-+ tensors built by :func:`pack_state`; :func:`serve_state`); every replica can also come from the
+directly to joining peers (hivemind's ``rpc_download_state`` through the stage's averager, or the direct
+mixing transport's ``rpc_state`` for FGDiLoCo's ``transport: direct``; metadata + tensors built by
+:func:`pack_state`; :func:`serve_state`); every replica can also come from the
 checkpoint store (:func:`join_stage` tries both).
 Operators ask live peers first, contributors the store first (the report: contributors load from
 periodically refreshed checkpoints, to spare the operators' bandwidth); with neither, a worker
@@ -93,7 +94,8 @@ def serve_state(worker) -> Callable[[], tuple[dict[str, Any], list[torch.Tensor]
 
 def join_stage(run: Run, worker, averager, stage_step: int) -> tuple[str, int]:
     """(source, loaded step) of a worker joining its stage at `stage_step`: a stage that already
-    trained hands it its state from a live peer (through the stage's averager) or the checkpoint
+    trained hands it its state from a live peer (through `averager`, the stage's averager or direct mixing
+    transport: anything with ``load_stage_state``) or the checkpoint
     store, in the worker's role's order; ``("init", 0)`` when the stage is new or nothing was found."""
     if stage_step <= 0:
         return "init", 0

@@ -68,6 +68,18 @@ class PeerAuth:
 
         return gate
 
+    def gate_replica(self, stage: str) -> Callable[[Optional[str], str], None]:
+        """The check of the direct mixing transport (:mod:`agoractl.runtime.direct_mixing`), either way: a peer's
+        credential must name a worker of `stage` bound to its peer id."""
+
+        def gate(token: Optional[str], peer: str) -> None:
+            try:
+                self.verify(token, "direct_mixing", peer_id=peer, role="worker", stage=stage)
+            except CredentialRefused as e:
+                raise PermissionError(f"credential refused: {e.reason}") from None
+
+        return gate
+
     def stats(self) -> dict:
         with self._lock:
             return {"checked": self.checked, "refused": dict(self.refusals)}

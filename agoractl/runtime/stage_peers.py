@@ -62,6 +62,14 @@ class StagePeers:
                 pass
         return self.live
 
+    def live_ids(self) -> list[str]:
+        """Peer ids of the replicas counted in :attr:`live` (this worker included), sorted; read afresh like
+        :meth:`live_now` when the last view has this worker alone (the direct mixing transport's partners)."""
+        self.live_now()
+        with self._lock:
+            now = time.monotonic()
+            return sorted(p for p, t in self.seen.items() if now - t <= self.horizon_s)
+
     def first_operator(self) -> bool:
         """Whether this worker is the stage's first operator (the lowest peer id among the operators
         of the latest read, itself included): the one replica that publishes the stage checkpoints,

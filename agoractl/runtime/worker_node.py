@@ -22,7 +22,9 @@ an averager process, set from the method's manifest section; with admission on
 method (:class:`~agoractl.training.data_parallel.DataParallelMethod`, ``self.data_parallel``): with
 ``data_parallel.method: sparta`` a :class:`~agoractl.runtime.sparta_worker.SpartaWorker` loads a
 joining worker's state, runs its sync phases and the stage's averaging rounds; with ``fgdiloco`` a
-:class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs the stage's outer rounds instead.
+:class:`~agoractl.runtime.fgdiloco_worker.FGDiLoCoNode` runs the stage's outer rounds instead, and with
+``data_parallel.fgdiloco.transport: direct`` (the default) no averager is started: its mixes and joining state go
+over :mod:`agoractl.runtime.direct_mixing` (credentials checked there when admission is on).
 Every worker runs the self-termination rules (:class:`~agoractl.training.self_termination.Monitor`)
 on its events: when one fires the worker stops and the process exits with the rule's code.
 """
@@ -46,6 +48,7 @@ from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.runtime.averaging import stage_averager
 from agoractl.runtime.averaging_auth import admitted_averager
+from agoractl.runtime.direct_mixing import direct_mixing
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
 from agoractl.runtime.metrics import NodeMetrics, worker_sample
 from agoractl.training.pipeline_writes import PipelineWrites
@@ -160,12 +163,17 @@ class WorkerNode:
         self.data_parallel: Optional[DataParallelMethod] = None
         if run.data_parallel.method != "none":  # one averaging transport, whichever method runs on it
             capacity = transport_capacity(run, self.worker.module)
-            averager = (stage_averager(run, stage, role, self.dht, capacity) if self.admitted is None
+            direct = run.data_parallel.method == "fgdiloco" and run.data_parallel.fgdiloco.transport == "direct"
+            averager = (None if direct else stage_averager(run, stage, role, self.dht, capacity)
+                        if self.admitted is None
                         else admitted_averager(run, stage, role, self.dht, capacity, self.admitted))  # checks peers
             if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
                 self.data_parallel = SpartaWorker(run, self.worker, averager, self.dht, self.records, self.peer)
-            else:  # fgdiloco: outer rounds, joining state
-                self.data_parallel = FGDiLoCoNode(run, self.worker, averager, self.records, self.peer)
+            elif direct:  # fgdiloco over direct pushes: outer rounds, joining state; no averager process
+                self.data_parallel = FGDiLoCoNode(run, self.worker, self.records, self.peer, direct=lambda peers:
+                                                  direct_mixing(run, stage, self.dht, peers, capacity, self.admitted))
+            else:  # fgdiloco over hivemind's averager: outer rounds, joining state
+                self.data_parallel = FGDiLoCoNode(run, self.worker, self.records, self.peer, averager=averager)
             self.data_parallel.join(joined_at)
             if self.resumed is not None and isinstance(self.data_parallel, FGDiLoCoNode):
                 self.data_parallel.rounds.restore(self.resumed.outer_state(), self.resumed.step)

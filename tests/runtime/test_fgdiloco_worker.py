@@ -1,6 +1,7 @@
 """FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker) as seed 002 runs it: ``launch swarm`` of
 ``manifests/fgdiloco-dp-cpu.yaml``, the model not split (one stage of role whole), 2 whole-model replicas fed
-by 2 trainers: outer rounds complete over hivemind, the loss falls, and each replica's inner steps take exactly
+by 2 trainers: outer rounds complete over either transport (``data_parallel.fgdiloco.transport``: direct pushes
+between the replicas, the default; hivemind's averager), the loss falls, and each replica's inner steps take exactly
 its share of the global batch. The outer rounds' maths in one
 process: tests/training/test_fgdiloco_rounds.py; FGDiLoCo on a pipeline (``fgdiloco-local-cpu.yaml``) runs
 the same per-stage rounds, and multi-stage swarms are the SPARTA tests'.
@@ -11,6 +12,8 @@ check for a dense model from a swarm's store (the SSN one is the SPARTA scenario
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import MANIFESTS
@@ -18,9 +21,10 @@ from tests.runtime.test_swarm import by_stage, corpus, finish, procs, run_swarm,
 
 
 @pytest.mark.swarm
-def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("transport", ["direct", "hivemind"])
+def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F811
     run_dir = tmp_path / "run"
-    values = corpus + [
+    values = corpus + [f"data_parallel.fgdiloco.transport={transport}",
         "model.seq_len=64", "training.max_steps=16", "training.schedule.warmup_steps=2",
         "data_parallel.fgdiloco.inner_steps=4", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
         "trainers.request_timeout_s=30", "network.startup_timeout_s=90",
@@ -46,6 +50,12 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path):  # noqa: F811
     for name, stage in by_stage(report).items():
         assert stage["outer_rounds"] == 4 and stage["workers_seen"] == 2, stage  # 16 steps / H = 4
         assert stage["mix2_success_mean"] is not None and stage["mix2_success_mean"] > 0.8, stage
+    mixes = [r for f in sorted((run_dir / "swarm" / "nodes").glob("worker-*.json"))
+             for r in json.loads(f.read_text())["rounds"] if r["status"] != "skipped"]
+    assert len(mixes) >= 2 * 7, mixes  # per replica: Mix1 of rounds 1-3 (round 0 starts identical), 4 Mix2
+    if transport == "direct":  # no matchmaking: every mix completes, within the partner's wait
+        assert all(r["transport"] == "direct" and r["status"] == "complete" for r in mixes), mixes
+        assert all(r["bytes_received"] > 0 and r["averaging_success"] == 1.0 for r in mixes), mixes
     _export_matches(values, tmp_path / "hf")
 
 
