@@ -86,7 +86,8 @@ def cell(args, tmp: Path, mbps: float, rtt: float) -> dict:
     data = [f"data.source={tmp / 'sample'}/*.parquet", f"data.output={run_dir / 'shards'}", "data.num_shards=4"]
     values = base_settings(args, data, run_dir) + [
         f"local.hosts.shaping=[{{kind: worker, role: contributor, bandwidth_mbps: {mbps}, rtt_ms: {rtt}}}]"]
-    argv = [sys.executable, "-m", "agoractl", "launch", "swarm", str(MANIFEST), *[a for v in values for a in ("--set", v)],
+    argv = [sys.executable, "-m", "agoractl", "launch", "swarm", str(MANIFEST),
+            *[a for v in values for a in ("--set", v)],
             "--json"]
     t = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.cell_timeout_s, cwd=ROOT)
@@ -116,7 +117,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=4, help="SPARTA every this many steps")
     p.add_argument("--dummy-params", type=int, default=8_000_000,
-                   help="all-reduce payload per stage (params; at 2M the 50-200 Mbit/s cells differ by less than the noise)")
+                   help="all-reduce payload per stage, params (at 2M, 50-200 Mbit/s differ by less than noise)")
     p.add_argument("--cell-timeout-s", type=float, default=1200)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
