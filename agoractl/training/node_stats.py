@@ -123,6 +123,9 @@ class TrainerStageStats:
     """Requests re-sent to another replica after a failure (forward retries and backward fallbacks)."""
     backward_fallbacks: int = 0
     """Backward passes served by a replica other than the one that ran the forward."""
+    route_fallbacks: int = 0
+    """Requests of replicas on their own counts sent elsewhere than their assigned replica
+    (:class:`~agoractl.algorithms.routing.ReplicaRoute`: it was finished, banned, failed, or held too long)."""
     failures: int = 0
     """Failed calls (errors and timeouts)."""
     rejected: int = 0
