@@ -200,7 +200,7 @@ class Trainer(TrainerData, TrainerRouting):
             return await self._dispatch_to(stage, method, tensors, set(exclude), sample)
         finally:
             if self.routes is not None and sample is not None:
-                self.routes[stage].forget(sample)
+                self.routes[stage].forget(sample, int(tensors["ids"].shape[0]))
 
     async def _dispatch_to(self, stage: str, method: str, tensors: dict, tried: set, sample: Optional[int]):
         attempt, exclude = 0, set(tried)

@@ -39,12 +39,13 @@ class TrainerRouting:
             if route is not None:
                 banned = {p for p in balancer.workers if balancer.is_banned(p, now)}
                 decision = route.decide(sample, balancer.workers, unavailable - set(self._held[stage]) | banned,
-                                        self._held[stage], now)
+                                        self._held[stage], now, int(task_size))
             if decision is not None and decision.peer is not None:
                 return balancer.charge(decision.peer, task_size)
             peer = None if decision is not None and decision.wait else balancer.choose(now, task_size, unavailable)
-            if decision is not None and decision.fallback and peer is not None:
-                self.counters[stage].route_fallbacks += 1
+            if decision is not None and decision.fallback and peer is not None \
+                    and route.assigned(sample, balancer.workers) not in self.replica_steps[stage].done():
+                self.counters[stage].route_fallbacks += 1  # not the surplus of a replica past its last step
             if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
                 return peer
             if time.monotonic() - self._last_discovery[stage] > 1.0:
