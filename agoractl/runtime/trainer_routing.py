@@ -32,26 +32,31 @@ class TrainerRouting:
         :class:`~agoractl.algorithms.routing.ReplicaRoute`."""
         deadline = time.monotonic() + self.t.request_timeout_s
         route = self.routes[stage] if self.routes is not None and sample is not None else None
+        balancer = self.balancers[stage]
         while True:
             now = time.monotonic()
-            unavailable, balancer = set(exclude) | self._unavailable(stage, now), self.balancers[stage]
-            decision = None
+            unavailable, wait, peer = set(exclude) | self._unavailable(stage, now), False, None
             if route is not None:
+                held = set(self._held[stage])
                 banned = {p for p in balancer.workers if balancer.is_banned(p, now)}
-                decision = route.decide(sample, balancer.workers, unavailable - set(self._held[stage]) | banned,
-                                        self._held[stage], now, int(task_size))
-            if decision is not None and decision.peer is not None:
-                return balancer.charge(decision.peer, task_size)
-            peer = None if decision is not None and decision.wait else balancer.choose(now, task_size, unavailable)
-            if decision is not None and decision.fallback and peer is not None \
-                    and route.assigned(sample, balancer.workers) not in self.replica_steps[stage].done():
-                self.counters[stage].route_fallbacks += 1  # not the surplus of a replica past its last step
+                decision = route.decide(sample, balancer.workers, (unavailable - held) | banned, held, now,
+                                        int(task_size))
+                if decision.peer is not None:
+                    return balancer.charge(decision.peer, task_size)
+                wait = decision.wait
+            if wait:  # the route's waits end by themselves (a mix, an earlier request): no sample is lost for them
+                deadline = now + self.t.request_timeout_s
+            else:
+                peer = balancer.choose(now, task_size, unavailable)
+                if route is not None and peer is not None and \
+                        route.assigned(sample, balancer.workers) not in self.replica_steps[stage].done():
+                    self.counters[stage].route_fallbacks += 1  # not the surplus of a replica past its last step
             if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
                 return peer
             if time.monotonic() - self._last_discovery[stage] > 1.0:
                 await self.discover(stage)
             else:
-                await asyncio.sleep(WAITING_S if self._held[stage] or (decision is not None and decision.wait) else 0.2)
+                await asyncio.sleep(WAITING_S if self._held[stage] or wait else 0.2)
 
     def _unavailable(self, stage: str, now: float) -> set[str]:
         """Replicas on their own counts not to send work to now: finished, or waiting in a blocking mix."""
