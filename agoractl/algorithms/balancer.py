@@ -123,6 +123,12 @@ class Balancer:
             heapq.heappush(self._heap, entry)
         if chosen is None:
             return None
+        return self.charge(chosen.peer, task_size)
+
+    def charge(self, peer: str, task_size: float = 1.0) -> str:
+        """Charge `peer` for a task sent to it (by :meth:`choose`, or chosen by another rule:
+        :class:`~agoractl.algorithms.routing.ReplicaRoute`), so the accounts stay right for later choices."""
+        chosen = self.workers[peer]
         chosen.vruntime += task_size / max(chosen.throughput, 1e-9)
         chosen.chosen += 1
         self._push(chosen.peer, chosen.vruntime)

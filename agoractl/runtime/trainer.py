@@ -1,7 +1,9 @@
 """A trainer (``agoractl launch trainer``, report §3.3.2): holds no parameters, walks samples through the pipeline.
 
 For each sample it sends the forward head → body → tail, to the worker each stage's
-:class:`~agoractl.algorithms.balancer.Balancer` chooses, keeping every stage's input wire tensor; the tail's
+:class:`~agoractl.algorithms.balancer.Balancer` chooses (where replicas step on their own counts, the replica
+:class:`~agoractl.algorithms.routing.ReplicaRoute` assigns the sample: ``agoractl simulate``'s split; routing is
+applied in :mod:`agoractl.runtime.trainer_routing`), keeping every stage's input wire tensor; the tail's
 fused call computes forward, loss and backward at once (a run of one ``whole`` stage makes only that call, no
 wire); then the backward unwinds tail → head, each stage's **pinned** to the worker that ran its forward (report
 §4.2.1). Only when that worker is gone (the call fails) does the backward fall back to another replica, which
@@ -53,8 +55,10 @@ from agoractl.runtime.metrics import NodeMetrics, trainer_sample
 from agoractl.runtime.records import SERVING_PHASES, RunRecords, TrainerRecord
 from agoractl.runtime.swarm_supervisor import StallClock
 from agoractl.runtime.trainer_data import TrainerData
+from agoractl.runtime.trainer_routing import WAITING_S, TrainerRouting
 from agoractl.runtime.transport import StageClient
-from agoractl.algorithms.validation import FaultBook, Invalid, ReplyChecks
+from agoractl.algorithms.routing import ReplicaRoute
+from agoractl.algorithms.validation import FaultBook, ReplyChecks
 from agoractl.training.data_resume import DrawLog
 from agoractl.training.node_stats import FINISHED_REASONS, TrainerNodeStats, TrainerStageStats
 
@@ -66,15 +70,11 @@ class ReplicaWaiting(Exception):
     """A replica stepping on its own count answered that it waits in a blocking mix (the sample is not trained)."""
 
 
-WAITING_S = 0.1
-"""Seconds a replica that answered "waiting" is skipped before it is asked again."""
-
-
 PUBLISH_S = 2.0  # seconds between the trainer's DHT records (the swarm's live progress)
 DATA_REPORT_S = 10.0  # seconds between reports of data consumption to the shard ledger's progress files
 
 
-class Trainer(TrainerData):
+class Trainer(TrainerData, TrainerRouting):
     """One trainer process: DHT client, per-stage balancers, concurrent sample pipelines."""
 
     def __init__(self, run: Run, index: int, initial_peers: Sequence[str], stats_path: Optional[str] = None,
@@ -104,6 +104,10 @@ class Trainer(TrainerData):
         grace = 3 * run.workers.announce_period_s + self.t.discovery_period_s  # a worker record's TTL, and a read
         self.replica_steps = {s: ReplicaSteps(run.training.stop_step, grace) for s in self.stages} \
             if run.replica_batch else None  # replicas stepping on their own counts: each one's step
+        fg = run.data_parallel.fgdiloco  # ... and the deterministic split of the samples among them
+        self.routes = {s: ReplicaRoute(run.replica_batch, fg.matchmaking_timeout_s + fg.allreduce_timeout_s)
+                       for s in self.stages} if run.replica_batch else None
+        self.samples_drawn = 0
         self._held: dict[str, dict[str, float]] = {s: {} for s in self.stages}
         """Per stage, replicas that answered "waiting" (in a blocking mix) and until when they are skipped."""
         self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
@@ -160,54 +164,6 @@ class Trainer(TrainerData):
             await asyncio.gather(*(self.discover(s) for s in self.stages))
             await asyncio.sleep(self.t.discovery_period_s)
 
-    async def _choose(self, stage: str, exclude: set[str], task_size: float = 1.0) -> Optional[str]:
-        """A worker for `stage`, waiting for discovery (up to request_timeout_s) when none is available."""
-        deadline = time.monotonic() + self.t.request_timeout_s
-        while True:
-            now = time.monotonic()
-            peer = self.balancers[stage].choose(now, task_size, set(exclude) | self._unavailable(stage, now))
-            if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
-                return peer
-            if time.monotonic() - self._last_discovery[stage] > 1.0:
-                await self.discover(stage)
-            else:
-                await asyncio.sleep(WAITING_S if self._held[stage] else 0.2)
-
-    def _unavailable(self, stage: str, now: float) -> set[str]:
-        """Replicas on their own counts not to send work to now: finished, or waiting in a blocking mix."""
-        if self.replica_steps is None:
-            return set()
-        held = self._held[stage]
-        for peer in [p for p, until in held.items() if until <= now]:
-            del held[peer]
-        return self.replica_steps[stage].done() | set(held)
-
-    def _fail(self, stage: str, peer: str, method: str, error: BaseException) -> None:
-        self.counters[stage].failures += 1
-        if isinstance(error, Invalid):  # the worker produced a bad value: a fault of its own, not bad luck
-            self.counters[stage].rejected += error.attributable  # as many as its faults (the run report)
-            now, balancer = time.monotonic(), self.balancers[stage]
-            ban_s = self.faults.record(peer, stage, error.reason, any(p != peer for p in balancer.available(now))) \
-                if error.attributable else 0.0  # not attributable: bad because of what it was sent
-            self.log.warning("reply rejected; " + ("worker banned" if ban_s else "nobody banned"), stage=stage,
-                             method=method, worker=peer[-8:], reason=error.reason, ban_s=ban_s, problem=str(error)[:200])
-            if ban_s:
-                balancer.ban(peer, now, ban_s)
-                notice = asyncio.ensure_future(self._notice(stage, peer, f"{method}: {error}"))
-                self._notices.add(notice)
-                notice.add_done_callback(self._notices.discard)
-            return
-        self.balancers[stage].ban(peer, time.monotonic())
-        self.log.warning("call failed; worker banned", stage=stage, method=method, worker=peer[-8:],
-                         error=f"{type(error).__name__}: {str(error)[:200]}", ban_s=self.t.ban_s)
-
-    async def _notice(self, stage: str, peer: str, reason: str) -> None:
-        """Tell `peer` its output was rejected (its rule refused_outputs counts these); best effort."""
-        try:
-            await self.client.call(peer, stage, "notice", {}, {"reason": reason[:200]}, timeout=5.0)
-        except Exception:
-            pass
-
     async def _call(self, stage: str, peer: str, method: str, tensors: dict) -> tuple[dict, dict]:
         t0 = time.monotonic()
         out, meta = await self.client.call(peer, stage, method, tensors, {"trainer": self.index},
@@ -219,7 +175,11 @@ class Trainer(TrainerData):
                 if meta.get("finished"):
                     raise ReplicaFinished(peer)
                 self._held[stage][peer] = time.monotonic() + WAITING_S
+                if self.routes is not None:
+                    self.routes[stage].waiting(peer, time.monotonic())
                 raise ReplicaWaiting(peer)
+            if self.routes is not None:
+                self.routes[stage].served(peer)
         if self.checks is not None:
             t1 = time.thread_time()  # the checks' own CPU time: what validation costs (stats.checks_s)
             try:
@@ -231,12 +191,21 @@ class Trainer(TrainerData):
             self.seen_step[stage] = max(self.seen_step[stage], int(meta["step"]))
         return out, meta
 
-    async def _dispatch(self, stage: str, method: str, tensors: dict, exclude: Sequence[str] = ()):
+    async def _dispatch(self, stage: str, method: str, tensors: dict, exclude: Sequence[str] = (),
+                        sample: Optional[int] = None):
         """(peer, outputs, meta) from the first replica that serves the request; None when the retries
-        run out or no replica is available. Every re-send after a failure counts as a retry."""
-        tried, attempt = set(exclude), 0
+        run out or no replica is available. Every re-send after a failure counts as a retry. `sample`: the
+        trainer's index of the request's first sample (routes replicas stepping on their own counts)."""
+        try:
+            return await self._dispatch_to(stage, method, tensors, set(exclude), sample)
+        finally:
+            if self.routes is not None and sample is not None:
+                self.routes[stage].forget(sample, int(tensors["ids"].shape[0]))
+
+    async def _dispatch_to(self, stage: str, method: str, tensors: dict, tried: set, sample: Optional[int]):
+        attempt, exclude = 0, set(tried)
         while attempt <= self.t.retries:
-            peer = await self._choose(stage, tried, float(tensors["ids"].shape[0]))
+            peer = await self._choose(stage, tried, float(tensors["ids"].shape[0]), sample)
             if peer is None:
                 return None
             if attempt > 0 or exclude:
@@ -287,14 +256,16 @@ class Trainer(TrainerData):
         return False
 
     async def run_sample(self, samples: torch.Tensor, seq_ids: Optional[list] = None,
-                         draw: Optional[int] = None) -> bool:
+                         draw: Optional[int] = None, sample: Optional[int] = None) -> bool:
         """Forward through every stage, the tail's fused loss and backward, then the pinned backward.
 
-        `samples`: one sample [seq_len+1] or a microbatch [m, seq_len+1] (trainers.microbatch)."""
+        `samples`: one sample [seq_len+1] or a microbatch [m, seq_len+1] (trainers.microbatch); `sample`: the
+        trainer's index of its first sample (:class:`~agoractl.algorithms.routing.ReplicaRoute`)."""
         ids = samples.to(torch.int32).reshape(-1, samples.shape[-1])
         n, path, inputs, wire = ids.shape[0], [], [], None  # forward peers, the wire each got, the wire now
         for stage in self.stages[:-1]:
-            result = await self._dispatch(stage, "forward", {"ids": ids, **({"wire": wire} if wire is not None else {})})
+            sent = {"ids": ids, **({"wire": wire} if wire is not None else {})}
+            result = await self._dispatch(stage, "forward", sent, sample=sample)
             if result is None:
                 return self._lose(stage, "forward", n)
             peer, out, _ = result
@@ -302,7 +273,7 @@ class Trainer(TrainerData):
             inputs.append(wire)
             wire = out["wire"]
         tail, sent = self.stages[-1], {"ids": ids, **({} if wire is None else {"wire": wire})}  # whole: no wire
-        result = await self._dispatch(tail, "forward_backward", sent)
+        result = await self._dispatch(tail, "forward_backward", sent, sample=sample)
         if result is None:
             return self._lose(tail, "forward_backward", n)
         _, out, meta = result
@@ -338,7 +309,7 @@ class Trainer(TrainerData):
                     self.stats.finished_reason = self.stats.finished_reason or (
                         f"data exhausted after {epochs} epoch(s)" if epochs else "data exhausted")
                 return
-            batch, seq_ids, draw = drawn
+            batch, seq_ids, draw, sample = drawn
             if self.finished() or self.stop.is_set():
                 return  # drawn but never dispatched: not lost samples
             n = batch.shape[0]
@@ -347,7 +318,7 @@ class Trainer(TrainerData):
             self.in_flight += n
             ok = False
             try:
-                if ok := await self.run_sample(batch, seq_ids, draw):
+                if ok := await self.run_sample(batch, seq_ids, draw, sample):
                     self.stats.completed += n
                     self.stats.last_completion = time.time()
                     self.stall.observe(self.stats.completed, time.monotonic())

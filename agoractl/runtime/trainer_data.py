@@ -13,7 +13,7 @@ import torch
 
 class TrainerData:
     """The data methods of a trainer; the attributes they use (run, index, t, stages, records, positions,
-    draws, resume_step, stop, log, _stream, _data_pool, seen_step, finished) are the Trainer's."""
+    draws, samples_drawn, resume_step, stop, log, _stream, _data_pool, seen_step, finished) are the Trainer's."""
 
     def _open_stream(self):
         if self._stream is None:
@@ -35,9 +35,11 @@ class TrainerData:
                 self._stream.claims.track = True  # samples count as read once they complete
         return self._stream
 
-    def _draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
+    def _draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int], int]]:
         """The next microbatch of trainers.microbatch samples [m, seq_len+1] (fewer at the end of the data),
-        the samples' [shard, epoch, offset] when trainers.record_sequences, and its draw number."""
+        the samples' [shard, epoch, offset] when trainers.record_sequences, its draw number, and the index of its
+        first sample among those this trainer drew (what :class:`~agoractl.algorithms.routing.ReplicaRoute`
+        routes by; draws run one at a time, in order, on the data thread)."""
         draw = self.draws.drawn(self._stream.position()) if self.draws and hasattr(self._stream, "position") else None
         drawn, ids = [], []
         for _ in range(self.t.microbatch):
@@ -47,7 +49,10 @@ class TrainerData:
             drawn.append(s)
             if getattr(self._stream, "last", None) is not None:
                 ids.append(list(self._stream.last))
-        return (torch.stack(drawn), ids, draw) if drawn else None
+        if not drawn:
+            return None
+        self.samples_drawn += len(drawn)
+        return torch.stack(drawn), ids, draw, self.samples_drawn - len(drawn)
 
     def _draw_ahead(self) -> None:
         """Start drawing the first microbatches (one per pipeline) on the data thread while the trainer still waits
@@ -56,7 +61,7 @@ class TrainerData:
             loop = asyncio.get_running_loop()
             self._ahead = [loop.run_in_executor(self._data_pool, self._draw) for _ in range(self.t.in_flight)]
 
-    async def _next_draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int]]]:
+    async def _next_draw(self) -> Optional[tuple[torch.Tensor, list, Optional[int], int]]:
         """The next microbatch (:meth:`_draw`): those drawn ahead first, in order."""
         if self._ahead:
             return await self._ahead.pop(0)

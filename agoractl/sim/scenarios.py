@@ -71,26 +71,36 @@ def _with_horizon(run: Run, steps: int, **updates) -> Run:
 
 
 class Data:
-    """The scenario's data: a fixed held-out probe batch and fresh training streams over the rest.
+    """The scenario's data: training streams from the data's first sequence, and a fixed held-out probe batch.
 
-    With shards, the probe is the run's first `probe_samples` sequences and every training stream
-    starts after them; with synthetic text, the probe comes from another generator seed.
+    Training starts where a swarm's trainers and ``launch central`` start, so a simulated run trains on the
+    samples a live run does, in the same order. With shards, the probe is the `probe_samples` sequences that
+    follow the last of the `train_samples` any simulated run may train on, from the same corpus and never
+    trained on; when the shards hold fewer, and with synthetic text, it is lesson text from another
+    generator seed.
     """
 
-    def __init__(self, run: Run, data: str, seed: int, probe_samples: int):
-        self.run, self.data, self.seed, self.skip = run, data, seed, 0
-        stream, self.description = open_sequences(run, data, seed)
+    def __init__(self, run: Run, data: str, seed: int, probe_samples: int, train_samples: int):
+        self.run, self.data, self.seed = run, data, seed
+        _, self.description = open_sequences(run, data, seed)
+        probe = []
         if self.description.startswith("shards:"):
-            self.skip = probe_samples
-            self.probe_source = f"the run's first {probe_samples} sequences, held out from training"
-        else:
+            from agoractl.data.stream import run_sequences
+
+            probe = list(itertools.islice(run_sequences(run), train_samples, train_samples + probe_samples))
+            self.probe_source = f"the {probe_samples} sequences after the first {train_samples} (the most a " \
+                                f"simulated run trains on): never trained on"
+        if len(probe) < probe_samples:
             stream = lesson_sequences(run, seed=seed + 1_000_003)
-            self.probe_source = f"{probe_samples} sequences of lesson text from another generator seed"
-        self.probe = torch.stack([next(stream) for _ in range(probe_samples)])
+            probe = [next(stream) for _ in range(probe_samples)]
+            self.probe_source = f"{probe_samples} sequences of lesson text from another generator seed" + (
+                f" (the shards hold fewer than {train_samples + probe_samples} sequences)"
+                if self.description.startswith("shards:") else "")
+        self.probe = torch.stack(probe)
 
     def stream(self) -> Iterator[torch.Tensor]:
         stream, _ = open_sequences(self.run, self.data, self.seed)
-        return itertools.islice(stream, self.skip, None)
+        return stream
 
 
 def _mean(xs) -> float:
@@ -171,7 +181,7 @@ def fgdiloco(run: Run, *, variants: Optional[list[str]] = None, replicas: int = 
     H = inner_steps or run.data_parallel.fgdiloco.inner_steps
     batch = batch or max(1, run.training.global_batch_size // replicas)
     sim_run = _with_horizon(run, rounds * H)
-    data_ = Data(sim_run, data, seed, probe_samples)
+    data_ = Data(sim_run, data, seed, probe_samples, 2 * rounds * H * replicas * batch)  # rounds + extra rounds
     n_params = sum(p.numel() for p in _model_params(sim_run))
     t_start = time.perf_counter()
     results: dict[str, dict] = {}
@@ -292,7 +302,7 @@ def sparta_backward(run: Run, *, replicas: int = 4, steps: int = 150, microbatch
                     progress: Optional[Progress] = None) -> dict:
     """Pinned versus stochastic backward under AsyncSPARTA (report §6.2), same data and forward routes."""
     sim_run = _with_horizon(run, steps)
-    data_ = Data(sim_run, data, seed, probe_samples)
+    data_ = Data(sim_run, data, seed, probe_samples, steps * run.training.global_batch_size)
     t_start = time.perf_counter()
     variants = {}
     for rule in ("pinned", "stochastic"):
@@ -324,7 +334,7 @@ def sparta_participation(run: Run, *, replicas: int = 4, levels=(1.0, 0.9, 0.75,
     """
     steps = warmup_steps + failure_steps + recovery_steps
     sim_run = _with_horizon(run, steps)
-    data_ = Data(sim_run, data, seed, probe_samples)
+    data_ = Data(sim_run, data, seed, probe_samples, steps * run.training.global_batch_size)
     probe = data_.probe
     t_start = time.perf_counter()
     gb = run.training.global_batch_size

@@ -123,6 +123,10 @@ class TrainerStageStats:
     """Requests re-sent to another replica after a failure (forward retries and backward fallbacks)."""
     backward_fallbacks: int = 0
     """Backward passes served by a replica other than the one that ran the forward."""
+    route_fallbacks: int = 0
+    """Requests of replicas on their own counts sent elsewhere than their assigned replica while it still trained
+    (:class:`~agoractl.algorithms.routing.ReplicaRoute`: it was banned, failed the request, or was held too long);
+    not those of a replica past its last step."""
     failures: int = 0
     """Failed calls (errors and timeouts)."""
     rejected: int = 0

@@ -18,7 +18,8 @@ before it could write them (SIGKILL), what the swarm last saw of it in the DHT. 
 - ``samples_lost``: samples trainers gave up on, plus the in-flight samples of trainers that died.
 - ``stages[]``: per stage ``workers_seen``, ``samples`` (backward passes served), ``max_coalesced``
   and ``mean_coalesced``, ``retries``, ``bans``, ``rejected`` (replies rejected as invalid) and
-  ``backward_fallbacks`` (summed over trainers).
+  ``backward_fallbacks`` (summed over trainers); where replicas step on their own counts, ``route_fallbacks``
+  (requests not trained by the replica :class:`~agoractl.algorithms.routing.ReplicaRoute` assigned them).
 - ``faults``: per worker whose replies were rejected, its stage, the count per reason (summed over
   trainers) and how many trainers rejected it (:mod:`agoractl.algorithms.validation`).
 """
@@ -138,6 +139,7 @@ def aggregate(run: Run, worker_stats: list[WorkerNodeStats], trainer_stats: list
             "backward_fallbacks": sum(c.backward_fallbacks for c in counters),
             **(_averaging(mine) if run.data_parallel.method == "sparta" else {}),
             **(_outer_rounds(mine) if run.data_parallel.method == "fgdiloco" else {}),
+            **({"route_fallbacks": sum(c.route_fallbacks for c in counters)} if run.replica_batch else {}),
         })
     return run_report(
         mode="swarm", name=run.metadata.name, steps=steps, tokens=steps * batch * seq_len,

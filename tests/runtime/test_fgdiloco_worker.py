@@ -1,8 +1,8 @@
 """FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker) as seed 002 runs it: ``launch swarm`` of
 ``manifests/fgdiloco-dp-cpu.yaml``, the model not split (one stage of role whole), 2 whole-model replicas fed
-by 2 trainers: outer rounds complete over either transport (``data_parallel.fgdiloco.transport``: direct pushes
-between the replicas, the default; hivemind's averager), the loss falls, and each replica's inner steps take exactly
-its share of the global batch. The outer rounds' maths in one
+by its trainer: outer rounds complete over either transport (``data_parallel.fgdiloco.transport``: direct pushes
+between the replicas, the default; hivemind's averager), the loss falls, and each replica's inner steps take
+exactly its share of the global batch, the samples ``agoractl simulate`` gives it. The outer rounds' maths in one
 process: tests/training/test_fgdiloco_rounds.py; FGDiLoCo on a pipeline (``fgdiloco-local-cpu.yaml``) runs
 the same per-stage rounds, and multi-stage swarms are the SPARTA tests'.
 
@@ -30,7 +30,7 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F81
         "trainers.request_timeout_s=30", "network.startup_timeout_s=90",
         "data_parallel.fgdiloco.matchmaking_timeout_s=10",
         f"local.run_dir={run_dir}", f"checkpoints.store={tmp_path / 'store'}",
-        "model.ssn.rank=null", "checkpoints.every_steps=8"]
+        "model.ssn.rank=null", "checkpoints.every_steps=8", "trainers.record_sequences=true"]
     p, _ = run_swarm(procs, run_dir, values, manifest=MANIFESTS / "fgdiloco-dp-cpu.yaml")
     report = finish(p, run_dir)
     assert report["steps"] == 16 and report["samples_lost"] == 0
@@ -38,6 +38,11 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F81
     # exactly the global batch, 4 samples from each replica, and no replica trains past its last step.
     assert report["step_samples"] == {"min": 8, "max": 8, "mean": 8.0}, report["step_samples"]
     assert [w["backward_samples"] for w in report["workers"]] == [16 * 4] * 2, report["workers"]
+    # ... and which samples, as `agoractl simulate` splits them (agoractl.algorithms.routing): every request went
+    # to its assigned replica (block n of 4 samples to the replica of rank n mod 2), so inner step j of the run
+    # is the trainer's samples [8j, 8j + 8), whatever the replicas' speeds and the mixes' timing.
+    assert by_stage(report)["whole"]["route_fallbacks"] == 0, by_stage(report)["whole"]
+    assert _steps_in_draw_order(report) == [i // 8 for i in range(16 * 8)]
     first = sum(v for _, v in report["loss"][:3]) / 3
     assert report["final_loss"] < first - 0.3, report["loss"]
     assert list(by_stage(report)) == ["whole"]
@@ -57,6 +62,17 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F81
         assert all(r["transport"] == "direct" and r["status"] == "complete" for r in mixes), mixes
         assert all(r["bytes_received"] > 0 and r["averaging_success"] == 1.0 for r in mixes), mixes
     _export_matches(values, tmp_path / "hf")
+
+
+def _steps_in_draw_order(report: dict) -> list[int]:
+    """The step each sequence the trainer completed was trained at, in the order the trainer drew them: its
+    shards one after the other (the first trained first), each from its start."""
+    (trainer,) = report["trainers"]
+    seqs = trainer["sequences"]  # [shard, epoch, token offset, step], in the order they completed
+    first: dict[int, int] = {}
+    for shard, _, _, step in seqs:
+        first[shard] = min(first.get(shard, step), step)
+    return [s[3] for s in sorted(seqs, key=lambda s: (first[s[0]], s[0], s[2]))]
 
 
 def _export_matches(values: list[str], to) -> None:

@@ -15,6 +15,7 @@ agoractl.sim.scenarios).
 """
 
 import fcntl
+import itertools
 import json
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 
 from agoractl.manifest.loader import load_manifest
 from agoractl.sim import scenarios
-from tests.conftest import MANIFESTS
+from tests.conftest import MANIFESTS, private_shards
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64",
         "model.seq_len=32", "model.ssn.rank=8", "stages=[{role: head, layers: 1}, {role: tail, layers: 1}]"]
@@ -167,3 +168,23 @@ def test_sparta_participation_below_85_slows_and_recovers():
     # The slowdown grows as participation falls. (At this scale 90% slows loss reduction too, by a
     # varying amount: the report's ~85% threshold shows as a graded effect, so p90 is not asserted.)
     assert v["p75"]["gap_failure_end"] < v["p50"]["gap_failure_end"]
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+
+def test_data_trains_from_the_first_sequence_and_probes_past_the_training(sample_shards, tmp_path):
+    """simulate trains on the samples a live run's trainer reads, from the first one, in the same order (issue
+    24: its 16-sequence probe used to be cut from the head of the stream, which shifted every step's batch);
+    the probe is the sequences after the most a simulated run may train on, so it is never trained on."""
+    from agoractl.data.stream import run_sequences
+
+    run = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", private_shards(sample_shards, tmp_path))
+    data = scenarios.Data(run, "shards", 0, probe_samples=4, train_samples=40)
+    head = torch.stack(list(itertools.islice(run_sequences(run), 44)))
+    assert torch.equal(torch.stack(list(itertools.islice(data.stream(), 40))), head[:40])
+    assert torch.equal(data.probe, head[40:])
+    assert data.probe_source.startswith("the 4 sequences after the first 40")
+    # Shards too small to hold both: the probe is lesson text, never a sample the run trains on.
+    small = scenarios.Data(run, "shards", 0, probe_samples=4, train_samples=10**6)
+    assert "another generator seed" in small.probe_source and small.probe.shape == data.probe.shape
