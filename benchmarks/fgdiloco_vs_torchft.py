@@ -8,7 +8,7 @@ clipping at 1.0, outer SGD lr 0.7, momentum 0.9, Nesterov; every process at one 
 - **torchft**: torchft 0.2.0's ``torchft.local_sgd.DiLoCo``, two replica groups (one process each) over gloo
   with torchft's lighthouse on loopback (``benchmarks/torchft_diloco.py``: the model, AdamW, schedule and
   clipping are ``launch central``'s, :class:`agoractl.training.central.Central`; replica ``r`` trains
-  ``b[r::2]`` of each global batch ``b`` of the data stream ``launch central`` reads).
+  ``b[4r:4r + 4]`` of each global batch ``b`` of the data stream ``launch central`` reads: the swarm's split).
 - **agoractl**: ``agoractl launch swarm <manifest> --fresh --force --set data_parallel.fgdiloco.variant=V``
   for each variant V (``diloco``: Mix2 global, the DiLoCo algorithm; ``global_m1``: Mix1 global, started in
   the background at the round's start; ``global_m1_local_m2`` on request): 2 workers (the replicas), the

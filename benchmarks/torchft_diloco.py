@@ -8,8 +8,10 @@ quorum, ``init_sync=False``: every replica builds the same initial weights from 
 replica group trains the model that ``launch central`` builds (:class:`agoractl.training.central.Central`:
 the model, AdamW, the cosine schedule, the clipping) on its share of every global batch: batch ``b`` of the
 run's data stream (:func:`agoractl.data.stream.run_sequences`, what ``launch central`` reads) gives replica
-``r`` the samples ``b[r::groups]``. DiLoCo syncs every ``data_parallel.fgdiloco.inner_steps`` steps with the
-outer optimizer ``torch.optim.SGD`` at the manifest's outer lr, momentum and Nesterov flag.
+``r`` the consecutive block ``b[r * share:(r + 1) * share]`` (share = the batch / the groups): the split of
+``agoractl simulate`` and of a swarm's replicas on their own counts (:mod:`agoractl.algorithms.routing`).
+DiLoCo syncs every ``data_parallel.fgdiloco.inner_steps`` steps with the outer optimizer ``torch.optim.SGD`` at
+the manifest's outer lr, momentum and Nesterov flag.
 
 The replicas read their samples before they join the lighthouse (so data reading is start-up, not
 training), and time each step. ``run`` prints one JSON report on stdout with the run report's keys
@@ -74,7 +76,7 @@ def replica(a: argparse.Namespace) -> None:
                     pin_memory=False):
             for batch in data:
                 starts.append(time.time())
-                loss, _, _ = central.step(batch[a.rank::a.groups])  # inner AdamW step; every H-th also syncs
+                loss, _, _ = central.step(batch[a.rank * share:(a.rank + 1) * share])  # inner AdamW; every H-th syncs
                 ends.append(time.time())
                 losses.append(loss)
         commits = manager.current_step()
