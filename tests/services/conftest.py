@@ -7,9 +7,11 @@ deleted after); and the embedded default, SQLite in tmp_path with in-process sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
 import psycopg
@@ -23,6 +25,23 @@ from agoractl.services.authorizer.server import Background, Settings, build
 PG = os.environ.get("AGORA_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("AGORA_TEST_REDIS", "redis://127.0.0.1:6379/0")
 BACKENDS = ["postgres+redis", "sqlite+memory"]
+
+
+@contextlib.contextmanager
+def pg_database(prefix: str) -> Iterator[str]:
+    """A PostgreSQL database of the test's own on the machine's server; yields its URL and drops it after, also
+    on failure (connections still open to it are closed)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    try:
+        with psycopg.connect(f"{PG}/postgres", autocommit=True, connect_timeout=5) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.Error as e:
+        pytest.fail(f"PostgreSQL at {PG} not usable: {e} (set AGORA_TEST_PG to point elsewhere)")
+    try:
+        yield f"{PG}/{name}"
+    finally:
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @dataclass

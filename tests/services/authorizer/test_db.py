@@ -11,15 +11,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
 
-import psycopg
-import pytest
 from sqlalchemy import inspect
 
 from agoractl.services.authorizer.db import engine_for
 from tests.conftest import ROOT
-from tests.services.conftest import PG
+from tests.services.conftest import pg_database
 
 PROCESSES = 4
 
@@ -64,15 +61,5 @@ def test_concurrent_migrations_of_a_sqlite_file(tmp_path):
 
 
 def test_concurrent_migrations_of_a_postgres_database():
-    name = f"agora_migrate_{uuid.uuid4().hex[:12]}"
-    try:
-        with psycopg.connect(f"{PG}/postgres", autocommit=True, connect_timeout=5) as c:
-            c.execute(f'CREATE DATABASE "{name}"')
-    except psycopg.Error as e:
-        pytest.fail(f"PostgreSQL at {PG} not usable: {e} (set AGORA_TEST_PG to point elsewhere)")
-    try:
-        url = f"{PG}/{name}"
+    with pg_database("agora_migrate") as url:
         assert_at_head(url, migrate_at_once(url))
-    finally:
-        with psycopg.connect(f"{PG}/postgres", autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

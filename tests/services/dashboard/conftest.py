@@ -8,9 +8,6 @@ worked out by hand from the rows below.
 
 from __future__ import annotations
 
-import uuid
-
-import psycopg
 import pytest
 from sqlalchemy.orm import Session
 
@@ -19,7 +16,7 @@ from agoractl.services.authorizer import db as authorizer_db
 from agoractl.services.authorizer.models import Node
 from agoractl.services.health.db import migrate
 from agoractl.services.health.models import Contribution, Eval, Presence, PresenceEvent, Snapshot
-from tests.services.conftest import PG
+from tests.services.conftest import pg_database
 
 T0 = 1000.0
 H = 3600.0
@@ -91,17 +88,10 @@ def fixture_db(request, tmp_path):
         yield eng
         eng.dispose()
         return
-    name = f"agora_dash_{uuid.uuid4().hex[:12]}"
-    try:
-        with psycopg.connect(f"{PG}/postgres", autocommit=True, connect_timeout=5) as c:
-            c.execute(f'CREATE DATABASE "{name}"')
-    except psycopg.Error as e:
-        pytest.fail(f"PostgreSQL at {PG} not usable: {e} (set AGORA_TEST_PG to point elsewhere)")
-    eng = authorizer_db.engine_for(f"{PG}/{name}")
-    try:
-        fill(eng)
-        yield eng
-    finally:
-        eng.dispose()
-        with psycopg.connect(f"{PG}/postgres", autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with pg_database("agora_dash") as url:
+        eng = authorizer_db.engine_for(url)
+        try:
+            fill(eng)
+            yield eng
+        finally:
+            eng.dispose()

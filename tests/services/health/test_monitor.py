@@ -14,7 +14,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -29,7 +28,7 @@ from agoractl.services.authorizer.db import engine_for
 from agoractl.services.health.models import Alert, Contribution, Flagged, Presence, PresenceEvent, TrainerSession
 from agoractl.services.health.monitor import Monitor, read
 from tests.conftest import MANIFESTS
-from tests.services.conftest import PG
+from tests.services.conftest import pg_database
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,24 +45,19 @@ def engines(tmp_path):
     """Both back ends at once, each written by its own Monitor from the same readings: SQLite in tmp_path, and
     PostgreSQL in a database of its own (dropped after, also on failure)."""
     out = {"sqlite": engine_for(f"sqlite:///{tmp_path / 'health.db'}")}
-    migrate(out["sqlite"])
-    name = f"agora_health_{uuid.uuid4().hex[:12]}"
     try:
-        with psycopg.connect(f"{PG}/postgres", autocommit=True, connect_timeout=5) as c:
-            c.execute(f'CREATE DATABASE "{name}"')
-    except psycopg.Error as e:
-        out["sqlite"].dispose()
-        pytest.fail(f"PostgreSQL at {PG} not usable: {e} (set AGORA_TEST_PG to point elsewhere)")
-    try:
-        out["postgres"] = engine_for(f"{PG}/{name}")
-        migrate(out["postgres"])
-        migrate(out["postgres"])  # idempotent
-        yield out
+        migrate(out["sqlite"])
+        with pg_database("agora_health") as url:
+            out["postgres"] = engine_for(url)
+            try:
+                migrate(out["postgres"])
+                migrate(out["postgres"])  # idempotent
+                yield out
+            finally:
+                out.pop("postgres").dispose()
     finally:
         for eng in out.values():
             eng.dispose()
-        with psycopg.connect(f"{PG}/postgres", autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _run(name: str, **monitoring) -> Run:
