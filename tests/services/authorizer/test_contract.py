@@ -20,6 +20,11 @@ def join(c, node_id, role="worker", peer=PEER, ready=True, **extra):
     return c.post("/v1/join", json=body)
 
 
+FAST_JOINS = 6e6
+"""Joins a minute where a test's joins are not about the rate: a slot every 10 µs. At 6000 a join holds the next
+slot for 10 ms, and a second join that comes sooner on a fast run is rate limited, not admitted."""
+
+
 def admin(s, key=None):
     return {"Authorization": "Bearer " + credential.admin_token(key or s.auth.key, s.auth.run.metadata.name)}
 
@@ -54,7 +59,7 @@ def test_every_check_refuses_with_its_reason(backend):
     r = s.client.post("/v1/join", json={"node_id": "weak", "role": "worker", "peer_id": PEER, "ready": True})
     assert r.status_code == 403 and r.json()["reason"] == "below_requirements"
     s.client.patch("/v1/policy", headers=h,
-                   json={"allowed_accelerators": ["H100"], "joins_per_minute": 6000}).raise_for_status()
+                   json={"allowed_accelerators": ["H100"], "joins_per_minute": FAST_JOINS}).raise_for_status()
     r = join(s.client, "a100", hardware={"ram_gb": 128, "vram_gb": 80, "accelerator": "A100"})
     assert r.json()["reason"] == "below_requirements" and "accelerator" in r.json()["detail"]
     s.client.patch("/v1/policy", headers=h, json={"checks": {"capability": True, "integrity": True,
@@ -109,7 +114,7 @@ def test_a_monitor_reads_the_nodes_and_takes_no_contributor_slot(backend):
     """The Health Monitor joins with role monitor: admitted with no stage even when every contributor slot is
     taken and without hardware; its credential reads GET /v1/nodes (a worker's does not), nothing else."""
     s = backend.start()
-    s.client.patch("/v1/policy", headers=admin(s), json={"max_contributors": 1, "joins_per_minute": 6000,
+    s.client.patch("/v1/policy", headers=admin(s), json={"max_contributors": 1, "joins_per_minute": FAST_JOINS,
                                                          "min_vram_gb": 8})
     w = join(s.client, "w1").json()
     assert w["status"] == "admitted"
@@ -131,9 +136,7 @@ def test_a_monitor_reads_the_nodes_and_takes_no_contributor_slot(backend):
 def test_policy_change_applies_to_the_next_request(backend):
     s = backend.start()
     h = admin(s)
-    # 6e6 joins a minute: a slot every 10 µs (at 6000, w2's admission held the next slot for 10 ms, and w3, the
-    # first join under 0.5 a minute, came within them on a fast run: rate limited, not admitted).
-    s.client.patch("/v1/policy", headers=h, json={"max_contributors": 1, "joins_per_minute": 6e6})
+    s.client.patch("/v1/policy", headers=h, json={"max_contributors": 1, "joins_per_minute": FAST_JOINS})
     assert join(s.client, "w1").json()["status"] == "admitted"
     r = join(s.client, "w2", peer="12D3KooWTwo").json()
     assert r["status"] == "queued" and r["reason"] == "capacity" and r["position"] == 0
@@ -147,7 +150,7 @@ def test_policy_change_applies_to_the_next_request(backend):
 
 def test_unrenewed_credentials_free_their_slot(backend):
     s = backend.start()
-    s.client.patch("/v1/policy", headers=admin(s), json={"max_contributors": 1, "joins_per_minute": 6000,
+    s.client.patch("/v1/policy", headers=admin(s), json={"max_contributors": 1, "joins_per_minute": FAST_JOINS,
                                                          "credential_ttl_s": 0.5})
     first = join(s.client, "w1").json()
     assert join(s.client, "w2", peer="12D3KooWTwo").json()["reason"] == "capacity"
@@ -162,7 +165,7 @@ def test_unrenewed_credentials_free_their_slot(backend):
 
 
 def test_restart_loses_no_node_queue_entry_or_ban(backend):
-    run = Run.model_validate({"admission": {"joins_per_minute": 6000}})
+    run = Run.model_validate({"admission": {"joins_per_minute": FAST_JOINS}})
     s = backend.start(run)
     h = admin(s)
     admitted = join(s.client, "w1").json()
@@ -184,7 +187,7 @@ def test_restart_loses_no_node_queue_entry_or_ban(backend):
 
 def test_operators_only_until_the_run_reaches_a_step(backend):
     s = backend.start(Run.model_validate({"admission": {"operators_only_until_step": 100,
-                                                        "joins_per_minute": 6000}}))
+                                                        "joins_per_minute": FAST_JOINS}}))
     token = s.client.post("/v1/accounts", headers=admin(s), json={"name": "ops", "operator": True}).json()["token"]
     op = join(s.client, "op1", account="ops", account_token=token).json()
     assert op["status"] == "admitted" and credential.decode(op["credential"]).operator
