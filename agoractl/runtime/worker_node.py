@@ -164,9 +164,12 @@ class WorkerNode:
         if run.data_parallel.method != "none":  # one averaging transport, whichever method runs on it
             capacity = transport_capacity(run, self.worker.module)
             direct = run.data_parallel.method == "fgdiloco" and run.data_parallel.fgdiloco.transport == "direct"
-            averager = (None if direct else stage_averager(run, stage, role, self.dht, capacity)
-                        if self.admitted is None
-                        else admitted_averager(run, stage, role, self.dht, capacity, self.admitted))  # checks peers
+            if direct:  # the direct transport serves joining state itself: no averager process
+                averager = None
+            elif self.admitted is None:
+                averager = stage_averager(run, stage, role, self.dht, capacity)
+            else:  # its RPCs check peers' credentials
+                averager = admitted_averager(run, stage, role, self.dht, capacity, self.admitted)
             if run.data_parallel.method == "sparta":  # averaging rounds, joining state, sync phases
                 self.data_parallel = SpartaWorker(run, self.worker, averager, self.dht, self.records, self.peer)
             elif direct:  # fgdiloco over direct pushes: outer rounds, joining state; no averager process
