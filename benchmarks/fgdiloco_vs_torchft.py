@@ -11,12 +11,14 @@ clipping at 1.0, outer SGD lr 0.7, momentum 0.9, Nesterov; every process at one 
   ``b[4r:4r + 4]`` of each global batch ``b`` of the data stream ``launch central`` reads: the swarm's split).
 - **agoractl**: ``agoractl launch swarm <manifest> --fresh --force --set data_parallel.fgdiloco.variant=V``
   for each variant V (``diloco``: Mix2 global, the DiLoCo algorithm; ``global_m1``: Mix1 global, started in
-  the background at the round's start; ``global_m1_local_m2`` on request): 2 workers (the replicas), the
-  manifest's trainer (one call of 4 samples per inner step), a DHT, their p2pd daemons. The shards' claims
-  are forgotten before each run (:func:`cli_runs.unread`), so every run trains from the data's beginning.
+  the background at the round's start; ``global_m1_local_m2`` on request): 2 workers (the replicas, each reading
+  its own 4 samples per inner step: ``workers.self_feed``, the manifest's setting; ``--set workers.self_feed=false
+  --set local.trainers=1`` measures trainer-fed replicas), a DHT, their p2pd daemons. The shards' claims are
+  forgotten before each run (:func:`cli_runs.unread`), so every run trains from the data's beginning.
 
 Per run: ``tokens_per_s`` over the training window (tokens of the 40 steps / seconds from the first step's
-start to the last step's end: the swarm's first dispatch, torchft's first inner step); ``final_loss``, the
+start to the last step's end: the swarm's first dispatch (its trainers', or its replicas' feeders'), torchft's
+first inner step); ``final_loss``, the
 mean of the last 5 steps' losses, a step's loss the mean over its global batch of 8 (both replicas);
 ``busy_cores``, the CPU seconds of every process of the run (launcher, lighthouse, replica groups; DHT, p2pd,
 workers, trainers) read from ``/proc`` every 0.2 s, over the training window's seconds; ``startup_s``, from

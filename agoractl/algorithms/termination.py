@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from agoractl.manifest.schema import SelfTermination as SelfTerminationConfig
+from agoractl.manifest.workers import SelfTermination as SelfTerminationConfig
 
 EXIT_CODES: dict[str, int] = {
     "nan_gradients": 81,

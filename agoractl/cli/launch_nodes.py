@@ -140,6 +140,9 @@ def trainer(
     run = load(manifest, set_)
     check_resume_options(resume_step, fresh)
     plan = _check_store(run, resume_step, fresh, force)
+    if run.workers.self_feed:
+        raise UsageError("workers.self_feed is on: the whole-model replicas read their own samples, a trainer has "
+                         "nothing to feed", hint="launch workers only, or --set workers.self_feed=false")
     if index >= run.trainers.count:
         raise UsageError(f"--index {index}: the ledger has trainers.count = {run.trainers.count} trainers",
                          hint="use an index below trainers.count, or raise trainers.count")

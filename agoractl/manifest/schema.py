@@ -19,6 +19,7 @@ from agoractl.manifest.data import Data
 from agoractl.manifest.hosts import Hosts, hosts_errors
 from agoractl.manifest.monitoring import Monitoring
 from agoractl.manifest.validation import Validation
+from agoractl.manifest.workers import Workers, workers_errors
 
 API_VERSION = "agoractl/v1"
 KIND = "Run"
@@ -239,37 +240,6 @@ class Join(Section):
     """Stage steps of optimizer sync (visible, trains, weight 0, reports no samples)."""
 
 
-class SelfTermination(Section):
-    allreduce_failures: int = Field(2, gt=0)
-    """Failed averaging rounds, within the last window_rounds, that make a worker exit (report: 2)."""
-    window_rounds: int = Field(3, gt=0)
-    """Window of recent rounds for allreduce_failures (report: 3)."""
-    max_ram_fraction: float = Field(0.95, gt=0, le=1)
-    """Exit when host RAM use exceeds this fraction."""
-    dht_unreachable_s: float = Field(60.0, gt=0)
-    """Exit when the DHT (peer-to-peer connectivity, the run's progress) stays unreachable this long, in seconds."""
-    refused_outputs: int = Field(3, gt=0)
-    """Exit when trainers refused this many of the worker's outputs within refused_window_s (rule refused_outputs)."""
-    refused_window_s: float = Field(300.0, gt=0)
-    """Window of the refused_outputs rule, in seconds."""
-    refused_min_trainers: int = Field(2, gt=0)
-    """Distinct trainers the refusals must come from (one hostile trainer cannot make a worker leave)."""
-
-
-class Workers(Section):
-    max_microbatch: int = Field(16, gt=0)
-    """Coalescing cap: most samples merged into one compute pass (report §3.3.1.3)."""
-    announce_period_s: float = Field(5.0, gt=0)
-    """Seconds between DHT re-announcements; records expire after 3 periods."""
-    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Dtype of activations and activation gradients crossing stage boundaries (SSN coordinates)."""
-    activation_cache_mb: float = Field(256.0, ge=0)
-    """MiB of forward activations (autograd graphs) a head or body worker keeps so that the backward of the
-    same samples skips the recompute; oldest evicted first. 0: stateless, every backward recomputes (§3.3.1.4).
-    A backward that lands on another replica, or after the weights changed, recomputes either way."""
-    self_termination: SelfTermination = SelfTermination()
-
-
 class Trainers(Section):
     count: int = Field(1, gt=0)
     """Trainers in the run (the ledger is sized by it)."""
@@ -325,8 +295,8 @@ class Network(Section):
 class Local(Section):
     workers_per_stage: int = Field(1, gt=0)
     """Workers per stage that `launch swarm` starts on this machine."""
-    trainers: int = Field(1, gt=0)
-    """Trainers that `launch swarm` starts."""
+    trainers: int = Field(1, ge=0)
+    """Trainers that `launch swarm` starts (0 only with workers.self_feed: the replicas read their own samples)."""
     start_with_workers: Optional[int] = Field(None, gt=0)
     """Live workers every stage needs before the swarm's trainers send their first sample (null:
     ``workers_per_stage``); more when workers started by hand are to take part from the first step."""
@@ -473,10 +443,7 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         out.append(("stages", f"stage names must be unique; repeated: {', '.join(dupes)}"))
-    st = run.workers.self_termination
-    if st.allreduce_failures > st.window_rounds:
-        out.append(("workers.self_termination.allreduce_failures",
-                    f"cannot exceed window_rounds ({st.window_rounds}); got {st.allreduce_failures}"))
+    out += workers_errors(run.workers, roles, run.replica_batch, run.local.trainers)
     out += admission_errors(run.admission, names)
     if run.dashboard.enabled and not run.monitoring.enabled:
         out.append(("dashboard.enabled", "needs monitoring.enabled: the Dashboard reads the Health Monitor's database"))

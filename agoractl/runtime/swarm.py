@@ -403,7 +403,7 @@ class Swarm:
                 return f"until_step reached (step {report['steps']})"
             return f"max_steps reached (step {report['steps']})"
         early = self.supervisor.early_end or "the trainers ended before training.max_steps"
-        exhausted = [e["how"] for e in self.supervisor.exits if e["kind"] == "trainer"
+        exhausted = [e["how"] for e in self.supervisor.exits if e["kind"] in ("trainer", "worker")
                      and str(e["how"]).startswith("data exhausted")]
         if exhausted:
             return f"{exhausted[0]} at step {report['steps']} of {self.run.training.max_steps}"
@@ -415,7 +415,8 @@ class Swarm:
             self.supervisor.tick()  # exited nodes started again; StalledRun when nothing moves
             self._restart_utility()
             churn.serve_requests(self)  # `ops churn`: replace a worker now
-            trainers = self.supervisor.trainers()
+            # Self-fed replicas (workers.self_feed) read their own samples: the run ends when they end.
+            trainers = self.supervisor.workers() if self.run.workers.self_feed else self.supervisor.trainers()
             done = [t for t in trainers if self.supervisor.settled(t)]
             if time.monotonic() - last_status >= STATUS_S or len(done) == len(trainers):
                 last_status = time.monotonic()
@@ -429,7 +430,8 @@ class Swarm:
             if len(done) == len(trainers):
                 failed = [t for t in done if t.exit_code != 0]
                 if failed and len(failed) == len(trainers):
-                    raise RuntimeFailure(f"every trainer failed; {failed[0].name} exited with code "
+                    raise RuntimeFailure(f"every {'replica' if self.run.workers.self_feed else 'trainer'} failed; "
+                                         f"{failed[0].name} exited with code "
                                          f"{failed[0].exit_code}: {failed[0].log_tail(3)}",
                                          hint=f"see the logs in {self.dir / 'logs'}")
                 return
@@ -444,6 +446,8 @@ class Swarm:
             exits[n.name] = n.exit_code
             if stats is not None and n.kind == "worker":
                 workers.append(WorkerNodeStats.from_dict(stats))
+                if workers[-1].feed is not None:  # a self-fed replica's feeder counts as its trainer
+                    trainers.append(TrainerNodeStats.from_dict(workers[-1].feed))
             elif stats is not None and n.kind == "trainer":
                 trainers.append(TrainerNodeStats.from_dict(stats))
         have = {w.peer for w in workers}

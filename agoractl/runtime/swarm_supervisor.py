@@ -177,6 +177,9 @@ class Supervisor:
     def trainers(self) -> list:
         return [s.current for s in self.slots.values() if s.kind == "trainer"]
 
+    def workers(self) -> list:
+        return [s.current for s in self.slots.values() if s.kind == "worker"]
+
     def settled(self, node) -> bool:
         slot = self.slots.get(self._slot_name(node))
         return slot is not None and slot.current is node and slot.settled
@@ -264,9 +267,11 @@ class Supervisor:
         stats = _read_stats(node.stats_path)
         if slot.kind == "trainer":
             return (TrainerNodeStats.from_dict(stats).finished_reason if stats else "") or "finished"
-        if stats is not None and WorkerNodeStats.from_dict(stats).step >= self.swarm.run.training.stop_step:
+        worker = WorkerNodeStats.from_dict(stats) if stats is not None else None
+        if worker is not None and worker.step >= self.swarm.run.training.stop_step:
             return "its stage reached its last step"
-        return None
+        reason = str((worker.feed or {}).get("finished_reason", "")) if worker is not None else ""
+        return reason if reason.startswith("data exhausted") else None  # a self-fed replica read all the data
 
     def _exited(self, slot: Slot, node, now: float) -> None:
         how = describe_exit(node.exit_code)

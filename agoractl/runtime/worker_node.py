@@ -14,7 +14,9 @@ Three threads:
 
 ``--stage auto`` joins the stage with the fewest live replicas (ties: the earliest stage). A worker
 that joins a running stage starts at the stage's current step. Once the stage reached
-``training.max_steps`` and no request came for :data:`FINISHED_IDLE_S` seconds, the worker exits.
+``training.max_steps`` and no request came for :data:`FINISHED_IDLE_S` seconds, the worker exits. With
+``workers.self_feed`` a whole-model replica reads its own samples (:mod:`agoractl.training.self_feed`, no trainer)
+and exits once it trained them and took its last step (or the data ran out).
 
 The node builds the stage's averaging transport (:func:`~agoractl.runtime.averaging.stage_averager`,
 an averager process, set from the method's manifest section; with admission on
@@ -53,6 +55,7 @@ from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
 from agoractl.runtime.metrics import NodeMetrics, worker_sample
 from agoractl.training.pipeline_writes import PipelineWrites
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
+from agoractl.training.self_feed import SelfFeed
 from agoractl.runtime.sparta_worker import SpartaWorker
 from agoractl.algorithms.progress import run_position
 from agoractl.algorithms.termination import Termination
@@ -184,6 +187,10 @@ class WorkerNode:
             self.data_parallel = PipelineWrites(run, self.worker, self.peer)
         if self.resumed is not None and (self.resumed.checkpoint is not None or position is not None or joined_at):
             self.data_parallel.join_facts = self.resumed.facts()
+        self.feed: Optional[SelfFeed] = None
+        """``workers.self_feed``: the replica reads its own samples (validation: FGDiLoCo replicas, so peers exist)."""
+        if run.workers.self_feed:
+            self.feed = SelfFeed(run, self.worker, self.peer, self.data_parallel.peers.live_ids, self.stop)
         self.metrics = NodeMetrics(run, "worker", stage, node_key.instance_id(node_key.load_or_create()),
                                    worker_sample(self))
         self.worker.listeners.append(self.metrics)
@@ -367,6 +374,8 @@ class WorkerNode:
         self.monitor.start(self.stop)
         if self.data_parallel is not None:
             self.data_parallel.start()
+        if self.feed is not None:
+            self.feed.start()
         self.cpu_at_ready = node.cpu_seconds()
         metrics_url = self.metrics.start(self.admitted.current if self.admitted is not None else lambda: None)
         if metrics_url:
@@ -380,9 +389,16 @@ class WorkerNode:
             while not self.stop.is_set():
                 if self.worker.run_once(0.05):
                     last_work = time.monotonic()
+                    if self._fed_all():
+                        self.log.info("fed and trained every batch; worker exits", step=self.worker.progress.step)
+                        break
                 elif not optimizer_built:  # first idle moment: while trainers discover us (torch._dynamo's import)
                     self.worker.build_optimizer()
                     optimizer_built = True
+                elif self.feed is not None and self.feed.ended.is_set():  # idle: its last step is taken too
+                    self.log.info("the feeder ended; worker exits", step=self.worker.progress.step,
+                                  reason=self.feed.summary()["finished_reason"])
+                    break
                 elif self.worker.progress.finished and time.monotonic() - last_work > FINISHED_IDLE_S:
                     self.log.info("stage finished; worker exits", step=self.worker.progress.step)
                     break
@@ -397,6 +413,8 @@ class WorkerNode:
             sync.join(timeout=5)
             if self.data_parallel is not None:
                 self.data_parallel.shutdown()
+            if self.feed is not None:
+                self.feed.join(timeout=5)
             server.join(timeout=5)
             final = self.final_stats()
             final.cpu_s, final.cpu_at_ready_s = node.cpu_seconds(), self.cpu_at_ready
@@ -416,4 +434,11 @@ class WorkerNode:
             termination=self.termination.as_dict() if self.termination else None,
             resumed=self.resumed.facts() if self.resumed is not None else None,
             admission=admission.summary(self.admitted),
+            feed=self.feed.summary() if self.feed is not None else None,
             **(self.data_parallel.summary() if self.data_parallel is not None else {}))
+
+    def _fed_all(self) -> bool:
+        """A self-fed replica trained what its feeder gave it and took its last step (or cannot: the data ran out)."""
+        w = self.worker
+        return (self.feed is not None and self.feed.ended.is_set() and not w.queued()
+                and (w.progress.finished or not w.progress.should_step()))

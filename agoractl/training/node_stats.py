@@ -106,6 +106,8 @@ class WorkerNodeStats(WorkerStats):
     """What the worker resumed from (a checkpoint or a peer's state), if it did."""
     admission: Optional[dict] = field(default=None, metadata=DETAIL)
     killed: bool = False
+    feed: Optional[dict] = field(default=None, metadata=DETAIL)
+    """A self-fed replica's feeder statistics (``workers.self_feed``), a :class:`TrainerNodeStats` as a dict."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

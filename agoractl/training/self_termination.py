@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Optional
 import psutil
 
 from agoractl.algorithms.termination import SelfTermination, Termination
-from agoractl.manifest.schema import SelfTermination as SelfTerminationConfig
+from agoractl.manifest.workers import SelfTermination as SelfTerminationConfig
 
 
 def host_ram_fraction() -> float:

@@ -67,6 +67,8 @@ class Task:
     arrived: float = field(default_factory=time.monotonic)
     refused: Optional[str] = None
     """Why the worker refused it (answered already), once it did."""
+    own: bool = False
+    """The replica's own sample (``workers.self_feed``): no peer needs it, so it queues through a blocking mix."""
 
     @property
     def size(self) -> int:
@@ -172,7 +174,7 @@ class Worker:
             if self._closed is not None:
                 task.done(None, self._closed)
                 return
-            if self.progress.own and (self.progress.finished or self.holding):
+            if self.progress.own and (self.progress.finished or (self.holding and not task.own)):
                 self._answer_now(task)
                 return
             if self.stats.first_request is None:
@@ -208,10 +210,14 @@ class Worker:
                 self._answer_queued()
 
     def _answer_queued(self) -> None:
-        """Answer every queued request at once, untrained (:meth:`_answer_now`); call holding ``_cond``."""
+        """Answer every queued request at once, untrained (:meth:`_answer_now`), except the replica's own samples
+        in a blocking mix (they wait for it to end); call holding ``_cond``."""
         for q in self._queues.values():
-            while q:
-                self._answer_now(q.popleft())
+            keep = [t for t in q if t.own and not self.progress.finished]
+            for t in [t for t in q if not (t.own and not self.progress.finished)]:
+                self._answer_now(t)
+            q.clear()
+            q.extend(keep)
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agoractl.manifest.schema import SelfTermination as Config
+from agoractl.manifest.workers import SelfTermination as Config
 from agoractl.algorithms.termination import EXIT_CODES, EXIT_PREEMPTED, SelfTermination
 
 

@@ -13,7 +13,8 @@ import torch
 from agoractl.algorithms.termination import EXIT_CODES, SelfTermination
 from agoractl.algorithms.validation import (FaultBook, Invalid, NormTracker, ReplyChecks, check_losses, check_tensor,
                                             loss_bound, part_problem, request_problem, rms_per_sample, update_mask)
-from agoractl.manifest.schema import Run, SelfTermination as SelfTerminationConfig
+from agoractl.manifest.schema import Run
+from agoractl.manifest.workers import SelfTermination as SelfTerminationConfig
 from agoractl.training.fault_drill import ONSET, corrupt_part, corrupt_results
 
 NAN, INF = float("nan"), float("inf")

@@ -70,9 +70,10 @@ def test_until_step_stops_a_launch_within_max_steps():
 def test_fgdiloco_replicas_set_each_replicas_batch_and_must_divide_the_global_batch():
     run = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml")
     assert run.data_parallel.fgdiloco.replicas == 2 and run.replica_batch == 4
-    unset = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=null"])
+    fed = ["workers.self_feed=false", "local.trainers=1"]  # collective counts: trainers feed the replicas
+    unset = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=null", *fed])
     assert unset.replica_batch is None
-    assert load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.method=sparta"]).replica_batch is None
+    assert load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.method=sparta", *fed]).replica_batch is None
     with pytest.raises(ManifestError, match="data_parallel.fgdiloco.replicas: must divide training.global_batch_size"):
         load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=3"])
     with pytest.raises(ManifestError, match="data_parallel.fgdiloco.replicas: needs a run of one stage of role whole"):

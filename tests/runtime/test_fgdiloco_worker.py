@@ -1,7 +1,8 @@
 """FGDiLoCo in a real swarm (agoractl.runtime.fgdiloco_worker) as seed 002 runs it: ``launch swarm`` of
-``manifests/fgdiloco-dp-cpu.yaml``, the model not split (one stage of role whole), 2 whole-model replicas fed
-by its trainer: outer rounds complete over either transport (``data_parallel.fgdiloco.transport``: direct pushes
-between the replicas, the default; hivemind's averager), the loss falls, and each replica's inner steps take
+``manifests/fgdiloco-dp-cpu.yaml``, the model not split (one stage of role whole), 2 whole-model replicas that
+read their own samples (``workers.self_feed``, the manifest's default; their feeder alone:
+tests/training/test_self_feed.py) and mix over direct pushes, or fed by a trainer and mixing over hivemind's averager
+(``data_parallel.fgdiloco.transport``): outer rounds complete, the loss falls, and each replica's inner steps take
 exactly its share of the global batch, the samples ``agoractl simulate`` gives it. The outer rounds' maths in one
 process: tests/training/test_fgdiloco_rounds.py; FGDiLoCo on a pipeline (``fgdiloco-local-cpu.yaml``) runs
 the same per-stage rounds, and multi-stage swarms are the SPARTA tests'.
@@ -24,7 +25,9 @@ from tests.runtime.test_swarm import by_stage, corpus, finish, procs, run_swarm,
 @pytest.mark.parametrize("transport", ["direct", "hivemind"])
 def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F811
     run_dir = tmp_path / "run"
+    fed = transport == "hivemind"  # by a trainer; direct: the replicas feed themselves (the manifest's default)
     values = corpus + [f"data_parallel.fgdiloco.transport={transport}",
+        *(["workers.self_feed=false", "local.trainers=1"] if fed else []),
         "model.seq_len=64", "training.max_steps=16", "training.schedule.warmup_steps=2",
         "data_parallel.fgdiloco.inner_steps=4", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
         "trainers.request_timeout_s=30", "network.startup_timeout_s=90",
@@ -38,11 +41,18 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F81
     # exactly the global batch, 4 samples from each replica, and no replica trains past its last step.
     assert report["step_samples"] == {"min": 8, "max": 8, "mean": 8.0}, report["step_samples"]
     assert [w["backward_samples"] for w in report["workers"]] == [16 * 4] * 2, report["workers"]
-    # ... and which samples, as `agoractl simulate` splits them (agoractl.algorithms.routing): every request went
-    # to its assigned replica (block n of 4 samples to the replica of rank n mod 2), so inner step j of the run
-    # is the trainer's samples [8j, 8j + 8), whatever the replicas' speeds and the mixes' timing.
-    assert by_stage(report)["whole"]["route_fallbacks"] == 0, by_stage(report)["whole"]
-    assert _steps_in_draw_order(report) == [i // 8 for i in range(16 * 8)]
+    if fed:
+        # ... and which samples, as `agoractl simulate` splits them (agoractl.algorithms.routing): every request
+        # went to its assigned replica (block n of 4 samples to the replica of rank n mod 2), so inner step j of the
+        # run is the trainer's samples [8j, 8j + 8), whatever the replicas' speeds and the mixes' timing.
+        assert by_stage(report)["whole"]["route_fallbacks"] == 0, by_stage(report)["whole"]
+        assert _steps_in_draw_order(report) == [i // 8 for i in range(16 * 8)]
+        assert all(t["cpu_at_start_s"]["node"] < 2.0 for t in report["trainers"]), report["trainers"]
+    else:  # the report's trainers are the replicas' feeders, one per rank; each worker exited on its own, done
+        assert sorted((t["trainer"], t["completed"]) for t in report["trainers"]) == [(0, 64), (1, 64)], \
+            report["trainers"]
+        assert {t["peer"] for t in report["trainers"]} == {w["peer"] for w in report["workers"]}
+        assert report["end_reason"] == "max_steps reached (step 16)" and set(report["exit_codes"].values()) == {0}
     first = sum(v for _, v in report["loss"][:3]) / 3
     assert report["final_loss"] < first - 0.3, report["loss"]
     assert list(by_stage(report)) == ["whole"]
@@ -50,7 +60,6 @@ def test_fgdiloco_swarm_trains(corpus, procs, tmp_path, transport):  # noqa: F81
     # process spends well under the ~4.5 s of CPU the imports alone take (about 0.2 s here).
     assert all(w["cpu_at_ready_s"]["node"] < 2.0 for w in report["workers"]), \
         [w["cpu_at_ready_s"] for w in report["workers"]]
-    assert all(t["cpu_at_start_s"]["node"] < 2.0 for t in report["trainers"]), report["trainers"]
     assert 0 < report["startup_s"] < 60, report["startup_s"]
     for name, stage in by_stage(report).items():
         assert stage["outer_rounds"] == 4 and stage["workers_seen"] == 2, stage  # 16 steps / H = 4

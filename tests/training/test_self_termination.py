@@ -2,7 +2,7 @@
 
 import threading
 
-from agoractl.manifest.schema import SelfTermination as Config
+from agoractl.manifest.workers import SelfTermination as Config
 from agoractl.training.self_termination import Monitor, host_ram_fraction
 
 
