@@ -209,9 +209,11 @@ class FGDiLoCo(Section):
     """How mixes travel: direct pushes between the stage's replicas (no matchmaking, runtime/direct_mixing.py; the
     timeouts below bound a mix's wait), or hivemind's averager (matchmaking, butterfly all-reduce)."""
     replicas: Optional[int] = Field(None, gt=0)
-    """M of seed 002, the whole-model replicas of a run of one stage of role whole: each steps on its own count of
-    training.global_batch_size / M samples (a step's batch exact, its loss comparable with central's). Null: the
-    replicas count collectively through the DHT (the batch exact on average), as a pipeline's stages must."""
+    """M of seed 002, the model replicas: each replica of each stage steps on its own count of
+    training.global_batch_size / M samples (a step's batch exact, its loss comparable with central's and the
+    simulator's), and trainers send block n of their samples to the replica of rank n mod R of every stage, so a
+    pipeline is M pipelines that each hold a whole model. Null: the replicas count collectively through the DHT
+    (the batch exact on average)."""
     allreduce_timeout_s: float = Field(150.0, gt=0)
     """All-reduce timeout of one mix, in seconds."""
     matchmaking_timeout_s: float = Field(40.0, gt=0)
@@ -457,10 +459,7 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
     if (run.training.until_step or 0) > run.training.max_steps:
         out.append(("training.until_step", f"exceeds training.max_steps ({run.training.max_steps})"))
     replicas = run.data_parallel.fgdiloco.replicas
-    if replicas is not None and run.data_parallel.method == "fgdiloco" and len(stages) > 1:
-        out.append(("data_parallel.fgdiloco.replicas", "needs a run of one stage of role whole (in a pipeline every "
-                                                       "sample crosses every stage); set it to null"))
-    elif replicas is not None and run.training.global_batch_size % replicas:
+    if replicas is not None and run.training.global_batch_size % replicas:
         out.append(("data_parallel.fgdiloco.replicas", f"must divide training.global_batch_size "
                                                        f"({run.training.global_batch_size}); got {replicas}"))
     return out

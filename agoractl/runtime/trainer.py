@@ -34,6 +34,7 @@ fault a magnitude bound alone (:meth:`~agoractl.algorithms.validation.FaultBook.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import os
 import secrets
@@ -110,6 +111,8 @@ class Trainer(TrainerData, TrainerRouting):
         self.samples_drawn = 0
         self._held: dict[str, dict[str, float]] = {s: {} for s in self.stages}
         """Per stage, replicas that answered "waiting" (in a blocking mix) and until when they are skipped."""
+        self._unfinished: collections.Counter = collections.Counter()  # block -> samples drawn, not yet finished
+        self._blocks_changed = asyncio.Condition()  # (TrainerRouting._await_turn)
         self.seen_workers: dict[str, set[str]] = {s: set() for s in self.stages}
         self.in_flight, self.cpu_at_start = 0, {}
         self._recent_loss: list[float] = []
@@ -310,9 +313,12 @@ class Trainer(TrainerData, TrainerRouting):
                         f"data exhausted after {epochs} epoch(s)" if epochs else "data exhausted")
                 return
             batch, seq_ids, draw, sample = drawn
-            if self.finished() or self.stop.is_set():
-                return  # drawn but never dispatched: not lost samples
             n = batch.shape[0]
+            self._open_blocks(sample, n)
+            await self._await_turn(sample, n)  # replicas on their own counts in a pipeline: each one's blocks in order
+            if self.finished() or self.stop.is_set():
+                await self._close_blocks(sample, n)
+                return  # drawn but never dispatched: not lost samples
             self.stats.dispatched += n
             self.stats.first_dispatch = self.stats.first_dispatch or time.time()
             self.in_flight += n
@@ -324,6 +330,7 @@ class Trainer(TrainerData, TrainerRouting):
                     self.stall.observe(self.stats.completed, time.monotonic())
             finally:
                 self.in_flight -= n
+                await self._close_blocks(sample, n)
                 if seq_ids and hasattr(self._stream, "settle"):
                     self._settle(seq_ids, ok)
                     await asyncio.get_running_loop().run_in_executor(self._data_pool, self._stream.flush)

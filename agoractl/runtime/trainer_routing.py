@@ -21,8 +21,47 @@ WAITING_S = 0.1
 
 
 class TrainerRouting:
-    """The routing methods of a trainer; the attributes they use (t, balancers, routes, replica_steps, _held,
-    counters, faults, log, client, stop, _notices, _last_discovery, discover) are the Trainer's."""
+    """The routing methods of a trainer; the attributes they use (run, stages, t, balancers, routes, replica_steps,
+    _held, _unfinished, _blocks_changed, counters, faults, log, client, stop, _notices, _last_discovery, discover)
+    are the Trainer's."""
+
+    # -- block order: pipelines of replicas on their own counts ---------------------------------------------
+    # With replicas on their own counts in a pipeline, block n of the trainer's samples must not reach a stage
+    # before block n - M (the same replica's previous block, M = data_parallel.fgdiloco.replicas) finished: that
+    # block's backward may complete the replica's step, and a forward of the next step's samples computed
+    # before it would run on the weights of the step before (a stale wire, unlike the simulator's replicas).
+    # A whole model has no such gap (one fused call per sample), so its blocks run in any order.
+
+    def _ordered_blocks(self) -> Optional[int]:
+        """M when blocks are ordered (see above), else None."""
+        return self.run.data_parallel.fgdiloco.replicas if self.routes is not None and len(self.stages) > 1 else None
+
+    def _blocks_of(self, sample: int, n: int) -> list[int]:
+        return sorted({i // self.run.replica_batch for i in range(sample, sample + n)})
+
+    def _open_blocks(self, sample: Optional[int], n: int) -> None:
+        """Register a drawn microbatch's blocks (draws run in order: an earlier block is registered already)."""
+        if self._ordered_blocks() is None or sample is None:
+            return
+        for i in range(sample, sample + n):
+            self._unfinished[i // self.run.replica_batch] += 1
+
+    async def _await_turn(self, sample: Optional[int], n: int) -> None:
+        """Wait until the previous block of the same replica finished (every sample completed or lost)."""
+        m = self._ordered_blocks()
+        if m is None or sample is None:
+            return
+        async with self._blocks_changed:
+            await self._blocks_changed.wait_for(
+                lambda: self.stop.is_set() or all(self._unfinished[b - m] == 0 for b in self._blocks_of(sample, n)))
+
+    async def _close_blocks(self, sample: Optional[int], n: int) -> None:
+        if self._ordered_blocks() is None or sample is None:
+            return
+        for i in range(sample, sample + n):
+            self._unfinished[i // self.run.replica_batch] -= 1
+        async with self._blocks_changed:
+            self._blocks_changed.notify_all()
 
     async def _choose(self, stage: str, exclude: set[str], task_size: float = 1.0,
                       sample: Optional[int] = None) -> Optional[str]:

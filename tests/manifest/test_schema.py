@@ -76,8 +76,8 @@ def test_fgdiloco_replicas_set_each_replicas_batch_and_must_divide_the_global_ba
     assert load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.method=sparta", *fed]).replica_batch is None
     with pytest.raises(ManifestError, match="data_parallel.fgdiloco.replicas: must divide training.global_batch_size"):
         load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=3"])
-    with pytest.raises(ManifestError, match="data_parallel.fgdiloco.replicas: needs a run of one stage of role whole"):
-        load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", ["data_parallel.fgdiloco.replicas=2"])
+    # A pipeline of M replicas per stage on their own counts: M pipelines, each a whole model (the shipped one).
+    assert load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml").replica_batch == 4
 
 
 def test_a_run_of_one_whole_stage_is_valid_and_whole_only_stands_alone():
