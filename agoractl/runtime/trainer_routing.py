@@ -59,7 +59,10 @@ class TrainerRouting:
         if self._ordered_blocks() is None or sample is None:
             return
         for i in range(sample, sample + n):
-            self._unfinished[i // self.run.replica_batch] -= 1
+            b = i // self.run.replica_batch
+            self._unfinished[b] -= 1
+            if self._unfinished[b] <= 0:
+                del self._unfinished[b]  # a long run does not keep one entry per block
         async with self._blocks_changed:
             self._blocks_changed.notify_all()
 

@@ -45,7 +45,7 @@ import torch
 
 from agoractl import logs
 from agoractl.auth import node_key
-from agoractl.errors import UsageError
+from agoractl.errors import RuntimeFailure, UsageError
 from agoractl.manifest.schema import Run
 from agoractl.runtime import admission, node
 from agoractl.runtime.averaging import stage_averager
@@ -423,6 +423,9 @@ class WorkerNode:
             stats = final.to_dict()
             node.write_stats(self.stats_path, stats)
             node.shutdown_dht(self.dht)
+        if self.feed is not None and self.feed.failure is not None:
+            raise RuntimeFailure(f"the replica could not read its samples: {self.feed.failure}",
+                                 hint=f"check data.output ({self.run.data.output}): `agoractl shard FILE` makes it")
         return stats
 
     def final_stats(self) -> WorkerNodeStats:

@@ -63,6 +63,8 @@ class SelfFeed:
         self.ended = threading.Event()
         self.exhausted = False
         """The data ran out before ``training.stop_step``."""
+        self.failure: Optional[str] = None
+        """Why the feeder could not read the data, if it could not (the worker then exits with a failure)."""
         self.stats = TrainerNodeStats(peer=peer, kind="self-feed")
         self.log = logs.get("self-feed")
         self._thread: Optional[threading.Thread] = None
@@ -161,7 +163,8 @@ class SelfFeed:
                 training = self._settle(*pending.popleft())
             self.exhausted = exhausted
         except Exception as e:  # the data cannot be read: the replica ends, and says why
-            self.stats.finished_reason = f"feeding failed: {type(e).__name__}: {e}"
-            self.log.error("feeding failed", error=f"{type(e).__name__}: {e}")
+            self.failure = f"{type(e).__name__}: {e}"
+            self.stats.finished_reason = f"feeding failed: {self.failure}"
+            self.log.error("feeding failed", error=self.failure)
         finally:
             self.ended.set()

@@ -98,3 +98,12 @@ def test_own_samples_queue_through_a_blocking_mix_others_are_answered_waiting(ru
     assert worker.queued() == 1 and answers == [("trainer", {"waiting": True, "step": 0})]
     worker.hold(False)
     assert worker.run_once(0) and answers[1][0] == "own" and answers[1][1]["loss"].numel() == 4
+
+
+def test_data_that_cannot_be_read_ends_the_feeder_with_the_reason(run, tmp_path):
+    broken = run.model_copy(update={"data": run.data.model_copy(update={"output": str(tmp_path / "nothing")})})
+    feed = SelfFeed(broken, Worker(broken, 0), "peer-a", lambda: ["peer-a", "peer-b"], threading.Event())
+    feed.start()
+    assert feed.ended.wait(60)
+    assert feed.failure is not None and "nothing" in feed.failure, feed.failure
+    assert feed.summary()["finished_reason"].startswith("feeding failed:")
