@@ -149,12 +149,12 @@ class SelfFeed:
             self.log.info("feeding", rank=self.rank, replicas=self.replicas, share=self.share, step=first)
             pending: collections.deque = collections.deque()
             draws = self._batches(first)
-            exhausted, training = False, True
+            exhausted, drawing, training = False, True, True
             while training and not self.stop.is_set():
-                while len(pending) <= QUEUED_AHEAD and not exhausted:
+                while len(pending) <= QUEUED_AHEAD and drawing:
                     step, ids = next(draws, (None, None))
-                    if step is None or step >= self.run.training.stop_step:
-                        exhausted = step is None
+                    if step is None or step >= self.run.training.stop_step:  # the data's end, or the run's
+                        exhausted, drawing = step is None, False
                         break
                     self.stats.first_dispatch = self.stats.first_dispatch or time.time()
                     pending.append((self._submit(ids), int(ids.shape[0])))
