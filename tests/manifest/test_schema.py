@@ -73,7 +73,8 @@ def test_fgdiloco_replicas_set_each_replicas_batch_and_must_divide_the_global_ba
     fed = ["workers.self_feed=false", "local.trainers=1"]  # collective counts: trainers feed the replicas
     unset = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=null", *fed])
     assert unset.replica_batch is None
-    assert load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.method=sparta", *fed]).replica_batch is None
+    sparta = load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.method=sparta", *fed])
+    assert sparta.replica_batch is None
     with pytest.raises(ManifestError, match="data_parallel.fgdiloco.replicas: must divide training.global_batch_size"):
         load_manifest(MANIFESTS / "fgdiloco-dp-cpu.yaml", ["data_parallel.fgdiloco.replicas=3"])
     # A pipeline of M replicas per stage on their own counts: M pipelines, each a whole model (the shipped one).
