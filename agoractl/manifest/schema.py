@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from agoractl.manifest.admission import Admission, admission_errors
 from agoractl.manifest.dashboard import Dashboard
 from agoractl.manifest.data import Data
 from agoractl.manifest.hosts import Hosts, hosts_errors
 from agoractl.manifest.monitoring import Monitoring
+from agoractl.manifest.section import Section
 from agoractl.manifest.validation import Validation
 from agoractl.manifest.workers import Workers, workers_errors
 
@@ -25,12 +26,6 @@ API_VERSION = "agoractl/v1"
 KIND = "Run"
 BYTES_TOKENIZER_VOCAB = 257
 """The built-in byte tokenizer: ids 0-255 are bytes, 256 is end-of-document (EOS)."""
-
-
-class Section(BaseModel):
-    """Base of every manifest section: unknown keys forbidden, docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
 class Metadata(Section):
