@@ -11,6 +11,10 @@ stage's average backward, so it catches up first:
   batch target (100 steps: five time constants of beta2 = 0.95);
 - **active**: full participation.
 
+A worker in a sync phase whose stage has no serving replica left (the ones it was catching up with
+died or left) goes active at once (:meth:`SyncPhases.alone`): there is no consensus to absorb, and a
+stage whose only replicas are invisible or report no samples would never take another step.
+
 Pure: counts the stage steps the worker lives through; the worker asks it what it may do.
 """
 
@@ -73,3 +77,12 @@ class SyncPhases:
         if changed is not None:
             self.history.append((self.phase, int(step)))
         return changed
+
+    def alone(self, step: int) -> Optional[str]:
+        """No other replica of the stage serves (none to catch up with, and without this one the stage
+        takes no step): a worker in a sync phase goes active; returns ``"active"`` on a change."""
+        if self.phase == "active":
+            return None
+        self.phase, self.steps_in_phase = "active", 0
+        self.history.append((self.phase, int(step)))
+        return self.phase

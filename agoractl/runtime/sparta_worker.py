@@ -12,7 +12,8 @@ node has:
   (:mod:`agoractl.runtime.faults`), handed to the rounds;
 - joining: a worker of a stage that already trained loads its state from a live peer or the
   checkpoint store (:mod:`agoractl.runtime.join`) and, if stale, starts in the sync phases; its phase
-  is announced in its DHT record (`on_phase`);
+  is announced in its DHT record (`on_phase`); with no other serving replica left in its stage it goes
+  active at once;
 - replica snapshots every ``checkpoints.snapshots_every_steps`` (for ``analyze divergence``) and, on
   operators, stage checkpoints every ``checkpoints.every_steps``, written in the background
   (:class:`~agoractl.training.replica_writes.ReplicaWrites`).
@@ -65,6 +66,8 @@ class SpartaWorker:
 
     def _read_signals(self) -> None:
         """On the watcher thread, after every read of the stage's workers."""
+        if self.peers.alone():
+            self.rounds.alone()
         self.rounds.signals = faults.read_signals(self.dht, self.run.metadata.name, self.stage)
 
     def start(self) -> None:

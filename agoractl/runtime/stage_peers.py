@@ -5,6 +5,10 @@ missing from one read (a slow store, a partial answer) is not a departure: a wor
 peers seen within a record's lifetime (three announce periods, at least 5 s), itself included
 even before its own record propagates. A failed read keeps the last view (the self-termination
 ``dht`` rule watches connectivity).
+
+It also tells how long the stage has had no other *serving* replica (one past weight sync,
+:data:`~agoractl.runtime.records.SERVING_PHASES`): a joiner in a sync phase with none left goes
+active, and a round that failed with none to average with is not counted against this worker.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from typing import Callable, Optional
+
+from agoractl.runtime.records import SERVING_PHASES
 
 WATCH_PERIOD_S = 1.0
 """Seconds between the watcher's DHT reads."""
@@ -32,6 +38,10 @@ class StagePeers:
         """Other replicas in the latest read (no memory of earlier reads)."""
         self.operators_now: set[str] = set()
         """Operator replicas in the latest read."""
+        self.serving_others_now = 0
+        """Other replicas in the latest read that serve (past weight sync)."""
+        self._first_read: Optional[float] = None
+        self._serving_seen: Optional[float] = None
         self.seen: dict[str, float] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -46,6 +56,13 @@ class StagePeers:
         now = time.monotonic()
         self.others_now = len(set(current) - {self.peer})
         self.operators_now = {peer for peer, rec in current.items() if getattr(rec, "role", None) == "operator"}
+        serving = [p for p, rec in current.items()
+                   if p != self.peer and getattr(rec, "phase", None) in SERVING_PHASES]
+        self.serving_others_now = len(serving)
+        if self._first_read is None:
+            self._first_read = now
+        if serving:
+            self._serving_seen = now
         for peer in current:
             self.seen[peer] = now
         self.seen[self.peer] = now
@@ -69,6 +86,18 @@ class StagePeers:
         with self._lock:
             now = time.monotonic()
             return sorted(p for p, t in self.seen.items() if now - t <= self.horizon_s)
+
+    def alone_for_s(self) -> float:
+        """Seconds for which no read has shown another serving replica of the stage (counted from the first
+        read when none ever did; 0 before any read)."""
+        with self._lock:
+            since = self._serving_seen if self._serving_seen is not None else self._first_read
+            return 0.0 if since is None else time.monotonic() - since
+
+    def alone(self) -> bool:
+        """No other serving replica for a record's whole lifetime (a record missing from one read is not a
+        departure)."""
+        return self.alone_for_s() >= self.horizon_s
 
     def first_operator(self) -> bool:
         """Whether this worker is the stage's first operator (the lowest peer id among the operators

@@ -18,14 +18,21 @@ thread, between optimizer steps, where the weights may change):
 - a round due while the previous one still runs (rounds slower than ``every_steps`` steps) waits
   for it first: every replica takes part in every round, in order, and training slows to the pace
   of averaging rather than letting the replicas drift into different rounds; the wait is recorded
-  (``waited_s``). With no other replica alive, or while a joiner catches up with the stage's step
-  counter, the round is skipped; a replica a step or two behind still joins it;
+  (``waited_s``). It stops waiting, and skips the new round, once no other replica serves (the
+  partner died mid-round): the compute thread must not sit on the trainers' requests for a round
+  nobody else can finish. With no other replica alive, or while a joiner catches up with the stage's step
+  counter, the round is skipped; a replica a step or two behind still joins it; a round that formed
+  no group while no other replica serves (the others left, or are joiners still in weight sync) is
+  skipped too, not failed;
+- a worker in a sync phase whose stage has no other serving replica goes active (:meth:`SpartaRounds.alone`,
+  called by the node's watcher): nobody is left to catch up with, and the stage would stop stepping;
 - a preemption signal aimed at this worker (:attr:`SpartaRounds.signals`, kept current by the
   node's DHT watcher) is armed, once, for the next round it starts.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -60,6 +67,7 @@ class SpartaRounds:
         self.compute = dict(zip(self.names, worker.params))
         self.tiling = SegmentTiling({n: tuple(p.shape) for n, p in named}, run.n_segments(), self.cfg.seed)
         self.phases = SyncPhases(run.join, 0)
+        self._phase_lock = threading.Lock()  # the compute thread's steps and the watcher's alone()
         self.pending: Optional[tuple[PendingAverage, torch.Tensor]] = None
         self.waited_s: dict[int, float] = {}
         """Per round, how long the compute thread waited for the previous round before starting it."""
@@ -80,6 +88,17 @@ class SpartaRounds:
         self._set_phase(self.phases.phase)
         return self.phases.phase
 
+    def alone(self) -> Optional[str]:
+        """The stage has no other serving replica (the watcher's finding): a worker in a sync phase goes
+        active at once; returns the new phase on a change."""
+        with self._phase_lock:
+            changed = self.phases.alone(self.worker.progress.step)
+        if changed is not None:
+            self._set_phase(changed)
+            self.log.warning("sync phase", phase=changed, step=self.worker.progress.step,
+                             reason="no other serving replica of the stage")
+        return changed
+
     def _set_phase(self, phase: str) -> None:
         self.worker.phase = phase
         self.worker.emit("phase", phase=phase, step=self.worker.progress.step)
@@ -94,7 +113,8 @@ class SpartaRounds:
             self.samples_since_round += int(worker.stats.steps[-1][2])
         # Sync phases last a number of the stage's steps: steps this worker takes only to catch up with
         # its stage's counter (a joiner whose counter starts behind its loaded state) do not count.
-        changed = None if worker.progress.ahead() else self.phases.on_step(done)
+        with self._phase_lock:
+            changed = None if worker.progress.ahead() else self.phases.on_step(done)
         if changed is not None:
             self._set_phase(changed)
             self.log.info("sync phase", phase=changed, step=done)
@@ -118,9 +138,10 @@ class SpartaRounds:
         pending, snapshot = self.pending
         self.pending = None
         average, averaged, rec = pending.result(timeout=1.0)
-        if rec.status == "failed" and rec.group_size == 0 and self.peers.others_now == 0:
-            # Nobody to average with (the other replicas left): not this worker's failure.
-            rec.status, rec.error = "skipped", "no other replica of the stage"
+        if rec.status == "failed" and rec.group_size == 0 and self.peers.serving_others_now == 0:
+            # Nobody to average with (the other replicas left, or only joiners still in weight sync are
+            # there): not this worker's failure, and no reason for it to self-terminate.
+            rec.status, rec.error = "skipped", "no other serving replica of the stage"
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
             if self.compute is not self.master:
@@ -158,9 +179,18 @@ class SpartaRounds:
             # Rounds slower than every_steps steps: wait for the previous one rather than skip or delay
             # this one, so that every replica takes part in every round, in order (skipping here would
             # leave the replicas in different rounds, and none of them would find a group).
+            # While it waits, requests queue up: it stops waiting once no other replica serves (the partner
+            # died mid-round: nobody is left to keep in step with, and trainers would time out on this one).
             t0 = time.monotonic()
-            self.collect(wait_s=self.transport.round_deadline_s)
+            deadline = t0 + self.transport.round_deadline_s
+            while self.pending is not None and time.monotonic() < deadline and self.peers.serving_others_now > 0:
+                self.collect(wait_s=min(0.2, max(0.0, deadline - time.monotonic())))
             waited = time.monotonic() - t0
+            if self.pending is not None and self.peers.serving_others_now == 0:
+                self._record(RoundRecord(round_index, segment, "skipped",
+                                         error="the previous round still runs and no other replica serves"),
+                             step=step)
+                return
             if self.pending is not None:  # the transport is stuck past every deadline
                 self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
                              step=step)

@@ -28,3 +28,16 @@ def test_weight_sync_then_optimizer_sync_then_active():
 def test_active_worker_never_changes():
     p = SyncPhases(Join(), stale_steps=0)
     assert all(p.on_step(s) is None for s in range(1, 50)) and p.phase == "active"
+
+
+def test_a_syncing_worker_alone_in_its_stage_goes_active():
+    # Its stage's serving replicas are gone: nothing to catch up with, and the stage must keep stepping.
+    join = Join(max_stale_steps=0, weight_sync_steps=3, optimizer_sync_steps=2)
+    p = SyncPhases(join, stale_steps=20, step=20)
+    assert p.alone(20) == "active" and p.visible and p.counts_samples and p.averaging_weight(8) == 8.0
+    assert p.alone(21) is None and p.history == [("weight_sync", 20), ("active", 20)]
+    q = SyncPhases(join, stale_steps=20, step=20)
+    for step in range(21, 24):
+        q.on_step(step)
+    assert q.phase == "optimizer_sync" and q.alone(24) == "active"
+    assert q.history == [("weight_sync", 20), ("optimizer_sync", 23), ("active", 24)]

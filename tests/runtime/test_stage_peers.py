@@ -53,3 +53,27 @@ def test_live_now_reads_afresh_only_when_the_view_is_alone():
     assert peers.live_now() == 2  # not alone: no read (Reads would raise on an empty list)
     failing = StagePeers(Reads(), "whole", "a", announce_period_s=1.0)
     assert failing.live_now() == 1  # a failed read keeps the last view
+
+
+def test_alone_once_no_serving_replica_was_read_for_a_records_lifetime(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("agoractl.runtime.stage_peers.time.monotonic", lambda: now[0])
+    syncing, serving = SimpleNamespace(role="contributor", phase="weight_sync"), SimpleNamespace(role="operator",
+                                                                                                  phase="active")
+    peers = StagePeers(Reads({"a": serving, "j": syncing}, {"j": syncing}, {"j": syncing}, {"j": syncing}),
+                       "head", "j", announce_period_s=1.0)
+    assert peers.alone_for_s() == 0.0 and not peers.alone()  # no read yet: nothing known
+    peers.read()
+    assert peers.serving_others_now == 1 and not peers.alone()
+    now[0] += 3.0
+    peers.read()  # a's record gone (killed): missing from one read is not a departure
+    assert peers.serving_others_now == 0 and peers.alone_for_s() == 3.0 and not peers.alone()
+    now[0] += 2.0
+    peers.read()
+    assert peers.alone()  # 5 s, a record's lifetime, without a serving replica
+    lonely = StagePeers(Reads({"j": syncing}, {"j": syncing}), "head", "j", announce_period_s=1.0)
+    lonely.read()
+    assert not lonely.alone()  # never saw a serving replica: counted from its first read
+    now[0] += 5.0
+    lonely.read()
+    assert lonely.alone()

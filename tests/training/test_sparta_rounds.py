@@ -148,7 +148,7 @@ class Replica:
     def __init__(self, run, stage: InMemoryStage, name: str, live: int, seed: int):
         self.name = name
         self.worker = Worker(run, 0)
-        self.view = SimpleNamespace(live=live, others_now=live - 1)
+        self.view = SimpleNamespace(live=live, serving_others_now=live - 1)
         self.before: dict[int, dict[str, torch.Tensor]] = {}  # stage step done -> master weights
         self.worker.step_callbacks.append(lambda step, w: self.before.__setitem__(step + 1, self.weights()))
         self.transport = stage.member(name)
@@ -202,6 +202,27 @@ def test_a_round_waits_for_the_previous_one():
     assert [x[0] for x in a.transport.stage.began["A"]] == [0, 1]
 
 
+def test_a_round_stops_waiting_for_the_previous_one_once_no_other_replica_serves():
+    run = run_of()
+    a, b = replicas(run, 2)
+    t = threading.Thread(target=a.step, args=(2 * EVERY,))
+    t.start()  # A begins round 0; B, its partner, is killed before it joins: A waits for round 0 at round 1
+    deadline = time.monotonic() + 60
+    while not (a.worker.progress.step >= 2 * EVERY and t.is_alive()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert t.is_alive() and a.records() == []
+    a.view.serving_others_now = 0  # the watcher no longer reads a serving replica: A must serve requests again
+    t.join(5)
+    assert not t.is_alive()
+    assert [(x["round"], x["status"], x["error"]) for x in a.records()] == [
+        (1, "skipped", "the previous round still runs and no other replica serves")]
+    b.transport.shutdown()  # round 0 ends without a group: nobody served, so not A's failure either
+    a.view.live = 1
+    a.step(1)
+    assert [(x["round"], x["status"]) for x in a.records()] == [(1, "skipped"), (0, "skipped")]
+
+
 def test_a_replica_one_step_behind_still_joins_and_one_a_round_behind_skips():
     run = run_of()
     a, b = replicas(run, 2)
@@ -226,14 +247,14 @@ def test_a_lone_survivor_skips():
     # B leaves while A begins round 1 still counting it: no group forms, and nobody is left to blame.
     a.step(EVERY - 1)
     b.transport.shutdown()
-    a.view.live, a.view.others_now = 2, 0
+    a.view.live, a.view.serving_others_now = 2, 0
     a.step(1)
     done = a.worker.progress.step
     assert all(torch.equal(t, a.before[done][n]) for n, t in a.weights().items())  # nothing applied
     a.view.live = 1
     a.step(EVERY)  # round 2: A knows it is alone and does not even try
     statuses = [(x["round"], x["status"], x["error"]) for x in a.records()]
-    assert statuses[1:] == [(1, "skipped", "no other replica of the stage"),
+    assert statuses[1:] == [(1, "skipped", "no other serving replica of the stage"),
                             (2, "skipped", "no other replica of the stage")], statuses
     assert [x[0] for x in a.transport.stage.began["A"]] == [0, 1]  # round 2 never reached the transport
 
@@ -249,7 +270,7 @@ def test_a_preempted_peers_round_is_partial_and_the_next_one_whole():
     assert [x[2] for x in a.transport.stage.began["C"]] == ["reduce"]
     assert [x[2] for x in a.transport.stage.began["A"]] == [None]
     for r in (a, b):
-        r.view.live, r.view.others_now = 2, 1
+        r.view.live, r.view.serving_others_now = 2, 1
     lockstep([a, b], 1)
     for r in (a, b):
         rec = r.records()[0]
@@ -287,3 +308,24 @@ def test_a_joiners_weight_sync_and_optimizer_sync_rounds_carry_weight_0():
     expected = weighted_average([joined["A"][0], joined["B"][0]], [joined["A"][1], joined["B"][1]])
     assert torch.allclose(a.transport.stage.results[0]["C"][0], expected)
     assert [x["status"] for x in j.records()] == ["complete"] * 3
+
+
+def test_a_survivor_beside_a_joiner_in_weight_sync_skips_and_the_joiner_alone_goes_active():
+    run = run_of("join.max_stale_steps=0", "join.weight_sync_steps=3", "join.optimizer_sync_steps=3")
+    a, b = replicas(run, 2)
+    lockstep([a, b], EVERY + 1)
+    # B is killed while A begins round 1 still counting it; the only other record A then reads is a joiner's
+    # in weight sync (not serving): the round that formed no group is not A's failure.
+    a.step(EVERY - 1)
+    b.transport.shutdown()
+    a.view.live, a.view.serving_others_now = 2, 0
+    a.step(1)
+    a.step(1)
+    assert [(x["round"], x["status"]) for x in a.records()] == [(0, "complete"), (1, "skipped")]
+    # A joiner whose stage has no serving replica left goes active at once, announced like any phase change.
+    j = Replica(run, InMemoryStage(), "J", 1, seed=7)
+    phases = []
+    j.rounds.on_phase = phases.append
+    assert j.rounds.enter(stale_steps=20, stage_step=2 * EVERY) == "weight_sync"
+    assert j.rounds.alone() == "active" and j.worker.phase == "active" and phases == ["weight_sync", "active"]
+    assert j.rounds.alone() is None and [p for p, _ in j.rounds.phases.history] == ["weight_sync", "active"]
