@@ -12,7 +12,10 @@ ahead of the least-loaded other replica), so the debt of charges made at a too-l
 forgiven once it measures fast, while a replica that stays slow keeps paying its full charge. A
 worker that enters — newly discovered, or back from a ban — is placed level with the most-loaded
 replica present, never at zero, so it is not flooded. Failed workers are banned for
-``trainers.ban_s`` seconds; workers that discovery no longer lists are dropped.
+``trainers.ban_s`` seconds; workers that discovery no longer lists are dropped. A ban must not
+starve a stage: when none of its workers is available, the trainer may :meth:`pardon` the banned one
+whose ban ends first rather than give up a sample (a worker that was slow once, e.g. while it waited
+for an averaging round, is usually fine again).
 
 Pure: no networking and no clock of its own (every call takes ``now``), so the in-process
 simulator reuses it as is. The backward pass does not come here: it is pinned to the worker that
@@ -179,6 +182,18 @@ class Balancer:
         w.banned_until = max(w.banned_until, now + (self.ban_s if duration is None else float(duration)))
         w.failures += 1
         self.bans += 1
+
+    def pardon(self, now: float, exclude: Iterable[str] = ()) -> Optional[str]:
+        """Lift the ban of the listed worker (not in `exclude`) whose ban ends first, and return it; None when
+        no banned worker is listed. For a stage with no available worker: the last resort before a lost sample."""
+        banned = [w for w in self.workers.values() if w.peer not in set(exclude) and self.is_banned(w.peer, now)]
+        if not banned:
+            return None
+        w = min(banned, key=lambda w: w.banned_until)
+        w.banned_until = float("-inf")
+        w.vruntime = max(w.vruntime, self._max_load(now))
+        self._push(w.peer, w.vruntime)
+        return w.peer
 
     def is_banned(self, peer: str, now: float) -> bool:
         w = self.workers.get(peer)

@@ -5,7 +5,8 @@ The decisions are pure and live in :mod:`agoractl.algorithms`: the stage's
 :class:`~agoractl.algorithms.balancer.Balancer` (least virtual runtime) by default, and where replicas step on
 their own counts (``data_parallel.fgdiloco.replicas``), the deterministic split of
 :class:`~agoractl.algorithms.routing.ReplicaRoute` first, the balancer only for its fallbacks. This module only
-applies them: it waits for discovery, skips replicas held in a blocking mix or finished, bans failed workers.
+applies them: it waits for discovery, skips replicas held in a blocking mix or finished, bans failed workers, and
+lifts the earliest-ending ban when a stage has had no available worker for ``trainers.request_timeout_s``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ class TrainerRouting:
                 if route is not None and peer is not None and \
                         route.assigned(sample, balancer.workers) not in self.replica_steps[stage].done():
                     self.counters[stage].route_fallbacks += 1  # not the surplus of a replica past its last step
+            if peer is None and route is None and not self.stop.is_set() and time.monotonic() > deadline:
+                # No worker of the stage came free in time: rather than lose the sample, try again the banned
+                # worker whose ban ends first (a ban routes around a worker; it must not stop the stage).
+                peer = balancer.pardon(time.monotonic(), unavailable)
+                if peer is not None:
+                    self.log.warning("no available worker; ban lifted", stage=stage, worker=peer[-8:])
+                    return balancer.charge(peer, task_size)
             if peer is not None or self.stop.is_set() or time.monotonic() > deadline:
                 return peer
             if time.monotonic() - self._last_discovery[stage] > 1.0:

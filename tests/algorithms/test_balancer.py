@@ -68,6 +68,21 @@ def test_exclude_and_nothing_available():
     assert b.choose(1) is None
 
 
+def test_pardon_lifts_the_ban_that_ends_first_and_only_for_banned_listed_workers():
+    b = Balancer(ban_s=5)
+    b.update({"a": 1.0, "b": 1.0, "c": 1.0}, now=0)
+    assert b.pardon(0) is None  # nobody banned
+    b.ban("a", 0, 30)
+    b.ban("b", 0, 10)
+    b.ban("c", 0, 20)
+    assert b.choose(1) is None
+    assert b.pardon(1, exclude={"b"}) == "c" and not b.is_banned("c", 1) and b.is_banned("b", 1)
+    assert b.pardon(1) == "b" and b.available(1) == ["b", "c"]
+    assert b.workers["b"].vruntime >= b.workers["c"].vruntime  # level with the most loaded, not flooded
+    b.update({"b": 1.0, "c": 1.0}, now=1)
+    assert b.pardon(1) is None  # a banned worker discovery no longer lists is never pardoned
+
+
 def test_discovery_drops_vanished_workers_and_bans_unknown_peers():
     b = Balancer(ban_s=5)
     added, removed = b.update({"a": 1.0, "b": 1.0}, now=0)
