@@ -120,7 +120,8 @@ def preempt(
 
 
 @app.command(epilog="Examples:\n\n  agoractl ops churn manifests/local-cpu.yaml --every 60 --for 1800\n\n"
-                    "  agoractl ops churn manifests/local-cpu.yaml --every 20 --for 120 --count 5 --seed 0 --json")
+                    "  agoractl ops churn manifests/local-cpu.yaml --every 20 --for 120 --count 5 --seed 0 --json\n\n"
+                    "  agoractl ops churn manifests/local-cpu.yaml --every 20 --for 120 --stage head --stage body-1")
 def churn(
     manifest: ManifestArg,
     every: Annotated[float, typer.Option("--every", help="Seconds between replacements.", min=1)],
@@ -129,8 +130,9 @@ def churn(
                                                  show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the random choice of workers.",
                                                 show_default=False)] = None,
-    stage: Annotated[Optional[str], typer.Option(help="Only replace workers of this stage (default: any).",
-                                                 show_default=False)] = None,
+    stage: Annotated[Optional[list[str]], typer.Option(help="Only replace workers of this stage (repeat the option "
+                                                            "for several; default: any).",
+                                                       show_default=False)] = None,
     answer_timeout_s: Annotated[float, typer.Option("--answer-timeout-s", min=1,
                                                     help="Seconds to wait for the launcher to carry out a "
                                                          "replacement.")] = 120.0,
@@ -148,8 +150,9 @@ def churn(
     from agoractl.runtime import churn as churning
 
     run = load(manifest, set_)
-    if stage is not None:
-        check_stage(run, stage)
+    stages = set(stage or ())
+    for name in sorted(stages):
+        check_stage(run, name)
     status_file = Path(run.local.run_dir) / "swarm" / "status.json"
     rng = random.Random(seed)
     # The schedule starts once the swarm trains (its launcher carries out requests only then).
@@ -173,7 +176,8 @@ def churn(
         if not churning.launcher_alive(status):
             log({"event": "swarm ended", "t_s": round(time.monotonic() - start, 1)})
             break
-        target = churning.pick([w for w in churning.live_workers(status) if stage in (None, w.get("stage"))], rng)
+        live = churning.live_workers(status)
+        target = churning.pick([w for w in live if not stages or w.get("stage") in stages], rng)
         if target is None:
             log({"event": "skipped", "t_s": round(time.monotonic() - start, 1),
                  "why": "no stage has two serving workers (a newcomer still joining, or the swarm ended)"})

@@ -52,6 +52,7 @@ def preempts(dht_with_workers, tmp_path_factory):
         "nobody": ["ops", "preempt", MANIFEST, "--stage", "tail", "--during", "send", *peer_args(maddrs),
                    "--set", "workers.announce_period_s=1"],  # re-read twice, a second apart, before it says so
         **{f"usage{i}": ["ops", "preempt", MANIFEST, *args] for i, (args, _) in enumerate(USAGE)},
+        "churn-stage": ["ops", "churn", MANIFEST, "--every", "5", "--for", "5", "--stage", "head", "--stage", "nope"],
     }
     return dict(zip(runs, cli_batch(runs.values(), cwd=tmp_path_factory.mktemp("ops-cli"))))
 
@@ -83,3 +84,8 @@ def test_preempt_with_nobody_eligible_is_a_runtime_error(preempts):
 def test_usage_errors(preempts, i, args, message):
     r = exits(preempts[f"usage{i}"], 2)
     assert message in r.stderr
+
+
+def test_churn_names_a_bad_stage_among_several(preempts):
+    r = exits(preempts["churn-stage"], 2)
+    assert "--stage nope: no such stage" in r.stderr and len(r.stderr.strip().splitlines()) <= 2
