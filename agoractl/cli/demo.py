@@ -2,11 +2,14 @@
 the Dashboard's URL and a screenshot of it (``<local.run_dir>/dashboard.png``).
 
 Each step is an ordinary ``agoractl`` command line; the demo prints it, then runs it as a
-subprocess, and stops at the first failure with that step's exit code.
+subprocess, and stops at the first failure with that step's exit code. After the swarm it prints the
+swarm's tokens/s beside central's, from the two runs' reports (``central-report.json``,
+``swarm-report.json`` in ``local.run_dir``).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -64,6 +67,20 @@ def steps(manifest: Path) -> list[list[str]]:
     ]
 
 
+def ratio_line(run_dir: Path) -> str:
+    """One line comparing the demo's swarm with its central run, from their reports in `run_dir`."""
+    try:
+        central = json.loads((run_dir / "central-report.json").read_text())["tokens_per_s"]
+        swarm = json.loads((run_dir / "swarm-report.json").read_text())["tokens_per_s"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"swarm/central: no ratio ({type(e).__name__}: {e})"
+    if not central or swarm is None:
+        return "swarm/central: no ratio (a run reports no tokens/s)"
+    return (f"swarm/central: {swarm:,.0f} / {central:,.0f} tokens/s = {swarm / central:.2f} (this machine; the swarm "
+            "runs 2 workers per stage and the monitors beside them; equal-hardware figures: "
+            "benchmarks/swarm_vs_central.py)")
+
+
 def demo(
     manifest: Annotated[Optional[Path], typer.Option(help="Manifest to run instead of the embedded default.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands without running them.")] = False,
@@ -83,3 +100,7 @@ def demo(
             raise RuntimeFailure(f"demo step failed with exit code {rc}: {line}",
                                  hint="rerun that command alone to see its output")
         print(f"  ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+        if args[:2] == ["launch", "swarm"]:
+            from agoractl.manifest.loader import load_manifest
+
+            print(ratio_line(Path(load_manifest(path).local.run_dir)), flush=True)
