@@ -164,16 +164,20 @@ def test_weighted_average_contributors_absorb_and_preempted_sender(swarm):
     assert all(r["status"] == "complete" and r["first"] == pytest.approx(2.0) for r in recs), recs
 
     # A lost peer: the second operator is preempted after its first chunk. The survivor's record says what it
-    # got: the slice the lost one reduced never came back, and of its own slice only the values whose part
-    # arrived were mixed (reduced from its own values alone, the rest come back finite but unmixed). Its success
-    # is the values mixed, in line with the bytes it received; it was 0.5 whatever arrived.
+    # got: of its own slice only the values whose part arrived were mixed (reduced from its own values alone, the
+    # rest come back finite but unmixed), and of the slice the lost one reduced only what it returned before it
+    # died (often nothing; under load a chunk or two, or the lost one dies before the survivor's stream opens and
+    # nothing at all arrives: a failed round). Its success is the values mixed, in line with the bytes it
+    # received; it was 0.5 whatever arrived.
     recs = swarm.round(["1 0 2", "1 4 2 send", None])
     assert recs[1] is None and swarm.procs[1].wait(timeout=30) == EXIT_PREEMPTED
     r = recs[0]
-    assert r["status"] == "partial" and 0 < r["averaging_success"] < 0.5, r
+    assert r["status"] in ("partial", "failed") and r["averaging_success"] < 1, r
+    assert (r["status"] == "failed") == (r["averaging_success"] == 0), r
     mixed_bytes = r["averaging_success"] * SIZE * 4
     assert mixed_bytes == pytest.approx(r["bytes_received"], rel=0.3), r  # chunks of 1 KB, plus framing
-    assert r["average_sum"] == pytest.approx(2.0 * r["averaging_success"] * SIZE), r  # each value mixed: (0 + 4) / 2
+    if r["status"] == "partial":  # each value mixed: (0 + 4) / 2
+        assert r["average_sum"] == pytest.approx(2.0 * r["averaging_success"] * SIZE), r
 
 
 @pytest.mark.parametrize("swarm", [["operator", "operator", "operator", "contributor"]], indirect=True)

@@ -99,9 +99,16 @@ def test_trains_to_max_steps_on_namespaces_without_losing_samples(scenario):
     assert scenario["rc"] == 0, scenario["stderr"]
     print(f"swarm on hosts: {scenario['elapsed_s']:.0f} s, {r['tokens_per_s']:.0f} tokens/s")
     assert r["completed"] and r["steps"] == MAX_STEPS and r["end_reason"].startswith("max_steps reached")
-    assert r["samples_lost"] == 0
+    assert r["samples_lost"] == 0, trainer_trouble(scenario["tmp"] / "run" / "logs")
     losses = [loss for _, loss in r["loss"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5  # loss falls
+
+
+def trainer_trouble(logs) -> str:
+    """The trainers' log lines that explain a lost sample (a failed call, a ban, a loss), for the failure message."""
+    words = ("samples lost", "call failed", "ban lifted", "rejected")
+    return "\n".join(line[:400] for log in sorted(logs.glob("trainer*.log"))
+                     for line in log.read_text(errors="replace").splitlines() if any(w in line for w in words))
 
 
 def test_every_node_is_on_its_own_host_and_announces_it(scenario):
