@@ -38,7 +38,7 @@ class StagePeers:
         """Other replicas in the latest read (no memory of earlier reads)."""
         self.operators_now: set[str] = set()
         """Operator replicas in the latest read."""
-        self.serving_others: frozenset[str] = frozenset()
+        self.serving_others_now = 0
         """Other replicas in the latest read that serve (past weight sync)."""
         self._first_read: Optional[float] = None
         self._serving_seen: Optional[float] = None
@@ -56,9 +56,9 @@ class StagePeers:
         now = time.monotonic()
         self.others_now = len(set(current) - {self.peer})
         self.operators_now = {peer for peer, rec in current.items() if getattr(rec, "role", None) == "operator"}
-        serving = frozenset(p for p, rec in current.items()
-                            if p != self.peer and getattr(rec, "phase", None) in SERVING_PHASES)
-        self.serving_others = serving
+        serving = [p for p, rec in current.items()
+                   if p != self.peer and getattr(rec, "phase", None) in SERVING_PHASES]
+        self.serving_others_now = len(serving)
         if self._first_read is None:
             self._first_read = now
         if serving:

@@ -103,8 +103,8 @@ class StageView(Protocol):
 
     live: int
     """Replicas seen within a record's lifetime, this worker included."""
-    serving_others: frozenset
-    """Peer ids of the other replicas in the latest read that serve (past weight sync)."""
+    serving_others_now: int
+    """Other replicas in the latest read that serve (past weight sync)."""
 
 
 class DataParallelMethod(Protocol):

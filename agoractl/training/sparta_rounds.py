@@ -16,17 +16,14 @@ thread, between optimizer steps, where the weights may change):
   their local values), and the round's record is kept and emitted as a ``round`` event
   (self-termination counts failures);
 - a round due while the previous one still runs (rounds slower than ``every_steps`` steps) waits
-  for it first, so that every replica takes part in every round, in order: training slows to the
-  pace of averaging rather than letting the replicas drift into different rounds (``waited_s``).
-  The compute thread waits at most half of ``trainers.request_timeout_s``, though: past that the
-  trainers would give up on its requests and ban it (a round stuck on a partner that churn replaced,
-  whose newcomer began other rounds), so the round is deferred to the first step after the previous
-  one ends, and skipped if the next round falls due first; it is skipped at once when no other
-  replica serves (the partner died mid-round). With no other replica alive, or while a joiner
-  catches up with the stage's step counter, the round is skipped; a replica a step or two behind
-  still joins it. A round that formed no group is skipped, not failed, when no replica that served
-  at its start still serves at its end (the others left, only joiners still in weight sync were
-  there, or churn replaced the partners): the failure is nobody's on this side;
+  for it first: every replica takes part in every round, in order, and training slows to the pace
+  of averaging rather than letting the replicas drift into different rounds; the wait is recorded
+  (``waited_s``). It stops waiting, and skips the new round, once no other replica serves (the
+  partner died mid-round): the compute thread must not sit on the trainers' requests for a round
+  nobody else can finish. With no other replica alive, or while a joiner catches up with the stage's step
+  counter, the round is skipped; a replica a step or two behind still joins it; a round that formed
+  no group while no other replica serves (the others left, or are joiners still in weight sync) is
+  skipped too, not failed;
 - a worker in a sync phase whose stage has no other serving replica goes active (:meth:`SpartaRounds.alone`,
   called by the node's watcher): nobody is left to catch up with, and the stage would stop stepping;
 - a preemption signal aimed at this worker (:attr:`SpartaRounds.signals`, kept current by the
@@ -37,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -47,16 +44,6 @@ from agoractl.algorithms.sync_phases import SyncPhases
 from agoractl.manifest.schema import Run
 from agoractl.training.fault_drill import corrupt_part
 from agoractl.training.data_parallel import AveragingTransport, PendingAverage, RoundRecord, StageView
-
-
-class Running(NamedTuple):
-    """The round in the background: its transport handle, the snapshot it averages, the other replicas that
-    served when it began, and when it began."""
-
-    pending: PendingAverage
-    snapshot: torch.Tensor
-    serving: frozenset
-    t0: float
 
 
 class SpartaRounds:
@@ -81,14 +68,9 @@ class SpartaRounds:
         self.tiling = SegmentTiling({n: tuple(p.shape) for n, p in named}, run.n_segments(), self.cfg.seed)
         self.phases = SyncPhases(run.join, 0)
         self._phase_lock = threading.Lock()  # the compute thread's steps and the watcher's alone()
-        self.pending: Optional[Running] = None
-        self.max_wait_s = run.trainers.request_timeout_s / 2
-        """The longest the compute thread waits for the previous round before deferring the next one: trainers
-        give up on a request after ``trainers.request_timeout_s``."""
-        self.due: Optional[tuple[int, int, float]] = None
-        """A round due while the previous one still ran: (round, the step it was due after, since when)."""
+        self.pending: Optional[tuple[PendingAverage, torch.Tensor]] = None
         self.waited_s: dict[int, float] = {}
-        """Per round, how long it waited (or was deferred) for the previous round before it began."""
+        """Per round, how long the compute thread waited for the previous round before starting it."""
         self.rounds: list[dict] = []
         self.samples_since_round = 0
         self.last_segment: Optional[int] = None
@@ -137,11 +119,6 @@ class SpartaRounds:
             self._set_phase(changed)
             self.log.info("sync phase", phase=changed, step=done)
         self.collect()
-        if self.due is not None and self.pending is None and done < self.run.training.stop_step:
-            # the deferred round: the previous one ended (none after the last step, as below)
-            round_index, due_step, since = self.due
-            self.due = None
-            self._start(round_index, due_step, time.monotonic() - since)
         if self.writes is not None:
             self.writes.on_step(done, self.phases.phase,
                                 None if self.last_segment is None else {"last_averaged_segment": self.last_segment})
@@ -154,20 +131,17 @@ class SpartaRounds:
         if self.pending is None:
             return None
         deadline = time.monotonic() + wait_s
-        while not self.pending.pending.done():
+        while not self.pending[0].done():
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)
-        pending, snapshot, serving, _ = self.pending
+        pending, snapshot = self.pending
         self.pending = None
         average, averaged, rec = pending.result(timeout=1.0)
-        if rec.status == "failed" and rec.group_size == 0 and not serving & self.peers.serving_others:
-            # Nobody to average with: the other replicas left, only joiners still in weight sync were there, or
-            # churn replaced the partners meanwhile (newcomers begin other rounds). Not this worker's failure, and
-            # no reason for it to self-terminate (report §3.3.1.6 blames a replica that misses its stage's rounds).
-            rec.status, rec.error = "skipped", ("the stage's other replicas changed during the round"
-                                                if self.peers.serving_others else
-                                                "no other serving replica of the stage")
+        if rec.status == "failed" and rec.group_size == 0 and self.peers.serving_others_now == 0:
+            # Nobody to average with (the other replicas left, or only joiners still in weight sync are
+            # there): not this worker's failure, and no reason for it to self-terminate.
+            rec.status, rec.error = "skipped", "no other serving replica of the stage"
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
             if self.compute is not self.master:
@@ -198,34 +172,29 @@ class SpartaRounds:
         return sig.during
 
     def begin(self, round_index: int, step: int) -> None:
-        """Start round `round_index` after the stage's step `step` (waiting a while for the previous round, then
-        deferring it), or record why it did not start."""
+        """Start round `round_index` after the stage's step `step` (or record why it did not start)."""
         segment = round_index % self.tiling.segments
-        if self.pending is None:
-            self._start(round_index, step, 0.0)
-            return
-        if self.due is not None:  # a round deferred for the previous one, and the next is due already
-            late, late_step, _ = self.due
-            self.due = None
-            self._record(RoundRecord(late, late % self.tiling.segments, "skipped",
-                                     error="the round before it still ran when the next one was due"), step=late_step)
-        t0 = time.monotonic()
-        deadline = t0 + min(self.transport.round_deadline_s, self.max_wait_s)
-        while self.pending is not None and self.peers.serving_others and time.monotonic() < deadline:
-            self.collect(wait_s=min(0.2, max(0.0, deadline - time.monotonic())))
-        if self.pending is None:
-            self._start(round_index, step, time.monotonic() - t0)
-        elif not self.peers.serving_others:  # the partner died mid-round: nobody to keep in step with
-            self._record(RoundRecord(round_index, segment, "skipped",
-                                     error="the previous round still runs and no other replica serves"), step=step)
-        elif time.monotonic() - self.pending.t0 > self.transport.round_deadline_s:  # the transport is stuck
-            self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
-                         step=step)
-        else:
-            self.due = (round_index, step, t0)
-
-    def _start(self, round_index: int, step: int, waited: float) -> None:
-        segment = round_index % self.tiling.segments
+        waited = 0.0
+        if self.pending is not None:
+            # Rounds slower than every_steps steps: wait for the previous one rather than skip or delay
+            # this one, so that every replica takes part in every round, in order (skipping here would
+            # leave the replicas in different rounds, and none of them would find a group).
+            # While it waits, requests queue up: it stops waiting once no other replica serves (the partner
+            # died mid-round: nobody is left to keep in step with, and trainers would time out on this one).
+            t0 = time.monotonic()
+            deadline = t0 + self.transport.round_deadline_s
+            while self.pending is not None and time.monotonic() < deadline and self.peers.serving_others_now > 0:
+                self.collect(wait_s=min(0.2, max(0.0, deadline - time.monotonic())))
+            waited = time.monotonic() - t0
+            if self.pending is not None and self.peers.serving_others_now == 0:
+                self._record(RoundRecord(round_index, segment, "skipped",
+                                         error="the previous round still runs and no other replica serves"),
+                             step=step)
+                return
+            if self.pending is not None:  # the transport is stuck past every deadline
+                self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
+                             step=step)
+                return
         if self.worker.progress.stage_step() - step >= self.cfg.every_steps:
             # Catching up with the stage's step (a joiner whose state is newer than its step counter):
             # the other replicas have moved past this round. A replica a step or two behind (it learns
@@ -248,7 +217,7 @@ class SpartaRounds:
             self._record(RoundRecord(round_index, segment, "failed", weight=weight, error=f"{type(e).__name__}: {e}"),
                          step=step)
             return
-        self.pending = Running(pending, snapshot, frozenset(self.peers.serving_others), time.monotonic())
+        self.pending = (pending, snapshot)
         self.waited_s[round_index] = round(waited, 3)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -262,7 +231,7 @@ class SpartaRounds:
         """Give up on the running round (shutdown)."""
         if self.pending is not None:
             try:
-                self.pending.pending.cancel()
+                self.pending[0].cancel()
             except Exception:
                 pass
 

@@ -64,10 +64,10 @@ def test_alone_once_no_serving_replica_was_read_for_a_records_lifetime(monkeypat
                        "head", "j", announce_period_s=1.0)
     assert peers.alone_for_s() == 0.0 and not peers.alone()  # no read yet: nothing known
     peers.read()
-    assert peers.serving_others == {"a"} and not peers.alone()
+    assert peers.serving_others_now == 1 and not peers.alone()
     now[0] += 3.0
     peers.read()  # a's record gone (killed): missing from one read is not a departure
-    assert peers.serving_others == frozenset() and peers.alone_for_s() == 3.0 and not peers.alone()
+    assert peers.serving_others_now == 0 and peers.alone_for_s() == 3.0 and not peers.alone()
     now[0] += 2.0
     peers.read()
     assert peers.alone()  # 5 s, a record's lifetime, without a serving replica
