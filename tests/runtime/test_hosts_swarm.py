@@ -99,7 +99,7 @@ def test_trains_to_max_steps_on_namespaces_without_losing_samples(scenario):
     assert scenario["rc"] == 0, scenario["stderr"]
     print(f"swarm on hosts: {scenario['elapsed_s']:.0f} s, {r['tokens_per_s']:.0f} tokens/s")
     assert r["completed"] and r["steps"] == MAX_STEPS and r["end_reason"].startswith("max_steps reached")
-    assert r["samples_lost"] == 0, trainer_trouble(scenario["tmp"] / "run" / "logs")
+    assert r["samples_lost"] == 0, trainer_trouble(scenario["tmp"] / "run" / "swarm" / "logs")
     losses = [loss for _, loss in r["loss"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5  # loss falls
 
