@@ -44,7 +44,7 @@ import psutil
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -306,6 +306,12 @@ class PendingRound:
 
     def cancel(self) -> None:
         self.control.cancel()
+
+    def looking(self) -> bool:
+        """Still in matchmaking (no all-reduce begun, nothing sent): :meth:`cancel` ends it at once, and the
+        averager is free for another round."""
+        return not self.control.done() and not self.control.began_allreduce and self.control.stage in (
+            AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER)
 
     def result(self, timeout: Optional[float] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], RoundRecord]:
         """(average, averaged mask, record). The average is None when nothing came back; values
