@@ -324,7 +324,7 @@ class PendingRound:
         values, averaged, stats = self.averager.read_result(self.round, self.size)
         rec = RoundRecord(round=self.round, segment=self.segment, status="failed", weight=self.weight,
                           duration_s=round(time.monotonic() - self.started, 3), error=error,
-                          snapshot_sum=self.snapshot_sum)
+                          snapshot_sum=self.snapshot_sum, grouped=bool(self.control.began_allreduce))
         if stats:
             rec.group_size, rec.reducers = int(stats["group_size"]), int(stats["reducers"])
             rec.group_weight = stats["group_weight"]

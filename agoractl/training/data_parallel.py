@@ -56,6 +56,8 @@ class RoundRecord:
     """Sum of the values this peer sent (its snapshot of the segment)."""
     average_sum: Optional[float] = None
     """Sum of the averaged values it got back (where they came back): the same at every replica."""
+    grouped: bool = False
+    """Matchmaking formed a group and its all-reduce began (False: no partner met this peer in the round)."""
     error: Optional[str] = None
 
     @property

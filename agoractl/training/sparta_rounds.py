@@ -31,8 +31,8 @@ thread, between optimizer steps, where the weights may change):
   jumped over are not begun: the replicas meet again. A replica a step or two behind keeps its
   round. With no other replica alive, or all the others in a later round, the round is skipped. A
   round that formed no group while no other replica serves (the others left, or are joiners still
-  in weight sync), or while none of them was seen in that round, is skipped too, not failed: only
-  failures with a partner to average with count toward self-termination;
+  in weight sync), or while all of them were averaging other rounds, is skipped too, not failed:
+  only failures with a partner to average with count toward self-termination;
 - a worker in a sync phase whose stage has no other serving replica goes active (:meth:`SpartaRounds.alone`,
   called by the node's watcher): nobody is left to catch up with, and the stage would stop stepping;
 - a preemption signal aimed at this worker (:attr:`SpartaRounds.signals`, kept current by the
@@ -158,10 +158,10 @@ class SpartaRounds:
             # Nobody to average with (the other replicas left, or only joiners still in weight sync are
             # there): not this worker's failure, and no reason for it to self-terminate.
             rec.status, rec.error = "skipped", "no other serving replica of the stage"
-        elif rec.status == "failed" and rec.group_size == 0 and not self.peers.seen_in_round(rec.round):
+        elif rec.status == "failed" and not rec.grouped and self._elsewhere(rec.round):
             # The others were all in other rounds (a partner's previous round outlasted this one's window, a
             # newcomer counting from the stage's step): nobody missed this worker, and the next rounds realign.
-            rec.status, rec.error = "skipped", "no other serving replica averaged this round"
+            rec.status, rec.error = "skipped", "the other replicas were averaging other rounds"
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
             if self.compute is not self.master:
@@ -190,6 +190,14 @@ class SpartaRounds:
         self.acted.add(sig.id)
         self.log.warning("preemption armed", signal=sig.id, during=sig.during, round=round_index)
         return sig.during
+
+    def _elsewhere(self, round_index: int) -> bool:
+        """Whether the other serving replicas are all averaging other rounds than `round_index` (at least one
+        announces one), and none was seen in it: the round missed them, not they it. One between rounds, or
+        whose short rounds the records never caught, is no such evidence."""
+        rounds = self.peers.rounds_now
+        return (bool(rounds) and len(rounds) >= self.peers.serving_others_now
+                and round_index not in rounds.values() and not self.peers.seen_in_round(round_index))
 
     def _others_past(self, round_index: int) -> bool:
         """Whether every other serving replica (at least one) announces a round later than `round_index`."""

@@ -4,8 +4,8 @@ Real :class:`Worker` replicas of one stage and the real :class:`SpartaRounds` (t
 phases, delta rule); only the averaging transport is a fake, :class:`InMemoryStage`: a round's group
 forms once every replica still in the stage began it, each member reduces one slice of the values
 (hivemind's butterfly), a reducer preempted during ``reduce`` never returns its slice. Covers: a round
-waits for the previous one, answering requests meanwhile; a round without a group counts as failed only
-if a partner was seen in it, and a round the others moved past is skipped; a replica one step behind
+waits for the previous one, answering requests meanwhile; a round without a group is no failure while the
+others average other rounds, and a round the others moved past is skipped; a replica one step behind
 still joins (one a whole round behind begins the stage's current round); a lone survivor skips; a preempted
 peer's round is partial and the next one whole; a joiner's weight-sync and optimizer-sync rounds carry
 weight 0. The same logic over hivemind, in a real swarm: tests/runtime/test_sparta_swarm.py.
@@ -81,7 +81,7 @@ class InMemoryStage:
         for m in group:
             values, weight, fault = joined[m]
             rec = RoundRecord(r, -1, "failed", group_size=len(group), reducers=len(group), weight=weight,
-                              group_weight=total, snapshot_sum=float(values.double().sum()))
+                              group_weight=total, snapshot_sum=float(values.double().sum()), grouped=len(group) >= 2)
             if fault is not None:
                 rec.error = f"preempted during {fault}"
                 out[m] = (None, None, rec)
@@ -256,16 +256,17 @@ def test_a_round_nobody_comes_to_is_given_up_for_the_one_the_others_are_in():
     assert [x[0] for x in a.transport.stage.began["A"]] == [0, 1]
 
 
-def test_a_round_without_a_group_is_a_failure_only_if_a_partner_was_seen_in_it():
+def test_a_round_without_a_group_is_no_failure_while_the_others_average_other_rounds():
     run = run_of()
     stage = InMemoryStage()
     a, b = replicas(run, 2, stage)
     a.step(EVERY)  # A begins round 0; B, busy with another round, never comes
+    a.view.rounds_now = {"B": 7}
     stage.expire(0)
     a.step(1)
     assert [(x["round"], x["status"], x["error"]) for x in a.records()] == [
-        (0, "skipped", "no other serving replica averaged this round")]  # not counted toward self-termination
-    a.view.seen_in_round = lambda r: {"B"}  # B was in round 1 (its record said so), yet no group formed
+        (0, "skipped", "the other replicas were averaging other rounds")]  # not counted toward self-termination
+    a.view.rounds_now = {}  # B between rounds (or its short round missed by the records): no evidence
     a.step(EVERY - 1)
     stage.expire(1)
     a.step(1)
