@@ -70,12 +70,23 @@ class StageProgress:
         self._base = self.step * self.target  # a joiner counts from its starting step
         self._origin = self._base if own else int(seen) if seen is not None else self._base if restarts else 0
         """Samples the stage had seen before any replica now counting started (a restarted stage's steps)."""
+        self._joining = not own and seen is None and not restarts and self.step > 0
+        """A joiner of a running stage: its origin is set at its first view of the peers (:meth:`observe`)."""
 
     def observe(self, peers: Mapping[str, PeerProgress]) -> None:
-        """Take in the other replicas' records (this replica's own must be left out)."""
+        """Take in the other replicas' records (this replica's own must be left out).
+
+        A joiner's first view of its peers sets where it counts from: the stage's samples as far as the peers
+        know (their published :attr:`PeerProgress.seen`, at least its starting step's), less their totals. The
+        peers' totals alone miss the replicas that left before it came: counting from them, it took the samples
+        of their share again toward its steps (a head joiner in the churn test took 517 samples for one step)."""
         for peer, p in peers.items():
             self.peer_totals[peer] = max(self.peer_totals.get(peer, 0), int(p.total))
         self.peers = {peer: int(p.step) for peer, p in peers.items()}
+        if self._joining and peers:
+            self._joining = False
+            known = sum(self.peer_totals.values())
+            self._origin = max(self._base, known, *(int(p.seen) for p in peers.values())) - known
 
     def add(self, samples: int, report: bool = True) -> None:
         """This replica accumulated gradients of `samples` more samples; unless `report`, they do not

@@ -270,7 +270,7 @@ class CheckpointStore:
         url = self._url("checkpoints", stage, step_dir(step), META_FILE)
         if not self._exists("checkpoints", stage, step_dir(step), META_FILE):
             raise RuntimeFailure(f"{url}: no complete checkpoint of stage {stage} at step {step}",
-                                 hint=f"see the published steps with: agoractl checkpoint list FILE")
+                                 hint="see the published steps with: agoractl checkpoint list FILE")
         return json.loads(self._read(url))
 
     def resolve(self, stage: str, step: Optional[int]) -> int:

@@ -44,7 +44,7 @@ import psutil
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -307,6 +307,12 @@ class PendingRound:
     def cancel(self) -> None:
         self.control.cancel()
 
+    def looking(self) -> bool:
+        """Still in matchmaking (no all-reduce begun, nothing sent): :meth:`cancel` ends it at once, and the
+        averager is free for another round."""
+        return not self.control.done() and not self.control.began_allreduce and self.control.stage in (
+            AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER)
+
     def result(self, timeout: Optional[float] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], RoundRecord]:
         """(average, averaged mask, record). The average is None when nothing came back; values
         whose mask is False did not come back and must keep their local values."""
@@ -318,7 +324,7 @@ class PendingRound:
         values, averaged, stats = self.averager.read_result(self.round, self.size)
         rec = RoundRecord(round=self.round, segment=self.segment, status="failed", weight=self.weight,
                           duration_s=round(time.monotonic() - self.started, 3), error=error,
-                          snapshot_sum=self.snapshot_sum)
+                          snapshot_sum=self.snapshot_sum, grouped=bool(self.control.began_allreduce))
         if stats:
             rec.group_size, rec.reducers = int(stats["group_size"]), int(stats["reducers"])
             rec.group_weight = stats["group_weight"]

@@ -87,6 +87,9 @@ class WorkerRecord:
     """Wall-clock time (time.time()) at which the worker started."""
     first_request: Optional[float] = None
     """Wall-clock time of the first request a trainer sent it (None until then)."""
+    round: Optional[int] = None
+    """The SPARTA round this worker is averaging right now (None between rounds): its stage's replicas tell a
+    round they missed from one they were in (:class:`~agoractl.runtime.stage_peers.StagePeers`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,9 @@ even before its own record propagates. A failed read keeps the last view (the se
 
 It also tells how long the stage has had no other *serving* replica (one past weight sync,
 :data:`~agoractl.runtime.records.SERVING_PHASES`): a joiner in a sync phase with none left goes
-active, and a round that failed with none to average with is not counted against this worker.
+active, and a round that failed with none to average with is not counted against this worker. And which
+SPARTA round each serving replica announces it is averaging (its record's ``round``): a round that formed
+no group while the others were all in other rounds is not this worker's failure either.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from agoractl.runtime.records import SERVING_PHASES
 
 WATCH_PERIOD_S = 1.0
 """Seconds between the watcher's DHT reads."""
+KEPT_ROUNDS = 16
+"""Rounds for which the watcher remembers which replicas announced them (:meth:`StagePeers.seen_in_round`)."""
 
 
 class StagePeers:
@@ -40,6 +44,9 @@ class StagePeers:
         """Operator replicas in the latest read."""
         self.serving_others_now = 0
         """Other replicas in the latest read that serve (past weight sync)."""
+        self.rounds_now: dict[str, int] = {}
+        """The SPARTA round each other serving replica of the latest read announced it is averaging."""
+        self._in_round: dict[int, set[str]] = {}
         self._first_read: Optional[float] = None
         self._serving_seen: Optional[float] = None
         self.seen: dict[str, float] = {}
@@ -59,6 +66,11 @@ class StagePeers:
         serving = [p for p, rec in current.items()
                    if p != self.peer and getattr(rec, "phase", None) in SERVING_PHASES]
         self.serving_others_now = len(serving)
+        self.rounds_now = {p: int(current[p].round) for p in serving if getattr(current[p], "round", None) is not None}
+        for p, r in self.rounds_now.items():
+            self._in_round.setdefault(r, set()).add(p)
+        for r in sorted(self._in_round)[:-KEPT_ROUNDS]:
+            del self._in_round[r]
         if self._first_read is None:
             self._first_read = now
         if serving:
@@ -98,6 +110,11 @@ class StagePeers:
         """No other serving replica for a record's whole lifetime (a record missing from one read is not a
         departure)."""
         return self.alone_for_s() >= self.horizon_s
+
+    def seen_in_round(self, round_index: int) -> set[str]:
+        """The other serving replicas that any read showed averaging round `round_index` (rounds only go up)."""
+        with self._lock:
+            return set(self._in_round.get(round_index, ()))
 
     def first_operator(self) -> bool:
         """Whether this worker is the stage's first operator (the lowest peer id among the operators

@@ -269,7 +269,7 @@ class WorkerNode:
         return WorkerRecord(peer=self.peer, stage=self.stage, phase=w.phase, role=w.role, step=w.progress.step,
                             samples=s.backward_samples, throughput=round(w.throughput, 3),
                             max_coalesced=s.max_coalesced, queued=w.queued(), pid=os.getpid(),
-                            started=self.started, first_request=s.first_request)
+                            started=self.started, first_request=s.first_request, round=w.averaging_round)
 
     def _dht_call(self, fn, *args):
         t0 = time.monotonic()

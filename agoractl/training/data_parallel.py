@@ -33,8 +33,8 @@ class RoundRecord:
 
     status: ``complete`` (every value came back averaged), ``partial``, ``failed`` (no group, a
     timeout, an error, or nothing came back), ``empty`` (every peer of the group had weight 0:
-    nothing to average, everyone keeps its values), ``skipped`` (not attempted: no other replica,
-    or catching up). reduce_success is measured by reducers only.
+    nothing to average, everyone keeps its values), ``skipped`` (not attempted: no other replica, or
+    none in this round). reduce_success is measured by reducers only.
     """
 
     round: int
@@ -56,6 +56,8 @@ class RoundRecord:
     """Sum of the values this peer sent (its snapshot of the segment)."""
     average_sum: Optional[float] = None
     """Sum of the averaged values it got back (where they came back): the same at every replica."""
+    grouped: bool = False
+    """Matchmaking formed a group and its all-reduce began (False: no partner met this peer in the round)."""
     error: Optional[str] = None
 
     @property
@@ -74,13 +76,16 @@ class PendingAverage(Protocol):
 
     def done(self) -> bool: ...
 
+    def looking(self) -> bool:
+        """Still looking for a group (nothing sent yet): :meth:`cancel` ends it at once (SPARTA's transport)."""
+
     def result(self, timeout: Optional[float] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor],
                                                                RoundRecord]:
         """(average, averaged mask, record). The average is None when nothing came back; values whose
         mask is False did not come back and keep their local values."""
 
     def cancel(self) -> None:
-        """Give up on the round (shutdown)."""
+        """Give up on the round (shutdown; a SPARTA round nobody else will come to)."""
 
 
 class AveragingTransport(Protocol):
@@ -105,6 +110,11 @@ class StageView(Protocol):
     """Replicas seen within a record's lifetime, this worker included."""
     serving_others_now: int
     """Other replicas in the latest read that serve (past weight sync)."""
+    rounds_now: dict[str, int]
+    """The SPARTA round each other serving replica of the latest read announced it is averaging."""
+
+    def seen_in_round(self, round_index: int) -> set[str]:
+        """The other serving replicas seen averaging round `round_index`."""
 
 
 class DataParallelMethod(Protocol):

@@ -16,14 +16,23 @@ thread, between optimizer steps, where the weights may change):
   their local values), and the round's record is kept and emitted as a ``round`` event
   (self-termination counts failures);
 - a round due while the previous one still runs (rounds slower than ``every_steps`` steps) waits
-  for it first: every replica takes part in every round, in order, and training slows to the pace
+  for it first: every replica takes part in every round, in order, and the steps slow to the pace
   of averaging rather than letting the replicas drift into different rounds; the wait is recorded
-  (``waited_s``). It stops waiting, and skips the new round, once no other replica serves (the
-  partner died mid-round): the compute thread must not sit on the trainers' requests for a round
-  nobody else can finish. With no other replica alive, or while a joiner catches up with the stage's step
-  counter, the round is skipped; a replica a step or two behind still joins it; a round that formed
-  no group while no other replica serves (the others left, or are joiners still in weight sync) is
-  skipped too, not failed;
+  (``waited_s``). Meanwhile the worker answers the trainers' forwards, and their backwards until the
+  step's batch is complete (:meth:`~agoractl.training.worker.Worker.serve_once`): a short wait
+  costs the trainers nothing, and no step absorbs several batches. It stops waiting once nobody
+  can come to the previous round: no other replica serves (the partner died mid-round: the new
+  round is skipped), or all of them announce later rounds (each announces the round it is
+  averaging in its record, :class:`~agoractl.runtime.stage_peers.StagePeers`): a previous round
+  still looking for a group is then given up (cancelled, recorded as skipped) and the new one
+  begins; one already in its all-reduce keeps the averager, and the new round is skipped;
+- a worker a round or more behind the stage's step (after such a wait; a joiner catching up with
+  the stage's step counter) begins the stage's current round instead of its own, and the rounds it
+  jumped over are not begun: the replicas meet again. A replica a step or two behind keeps its
+  round. With no other replica alive, or all the others in a later round, the round is skipped. A
+  round that formed no group while no other replica serves (the others left, or are joiners still
+  in weight sync), or while all of them were averaging other rounds, is skipped too, not failed:
+  only failures with a partner to average with count toward self-termination;
 - a worker in a sync phase whose stage has no other serving replica goes active (:meth:`SpartaRounds.alone`,
   called by the node's watcher): nobody is left to catch up with, and the stage would stop stepping;
 - a preemption signal aimed at this worker (:attr:`SpartaRounds.signals`, kept current by the
@@ -69,6 +78,10 @@ class SpartaRounds:
         self.phases = SyncPhases(run.join, 0)
         self._phase_lock = threading.Lock()  # the compute thread's steps and the watcher's alone()
         self.pending: Optional[tuple[PendingAverage, torch.Tensor]] = None
+        self.last_begun = -1
+        """The latest round this worker began."""
+        self._abandoned: Optional[int] = None
+        """The round this worker gave up while it looked for a group (:meth:`begin`)."""
         self.waited_s: dict[int, float] = {}
         """Per round, how long the compute thread waited for the previous round before starting it."""
         self.rounds: list[dict] = []
@@ -137,11 +150,18 @@ class SpartaRounds:
             time.sleep(0.01)
         pending, snapshot = self.pending
         self.pending = None
+        self.worker.averaging_round = None
         average, averaged, rec = pending.result(timeout=1.0)
-        if rec.status == "failed" and rec.group_size == 0 and self.peers.serving_others_now == 0:
+        if rec.round == self._abandoned:
+            rec.status, rec.error = "skipped", "given up: the other replicas are averaging later rounds"
+        elif rec.status == "failed" and rec.group_size == 0 and self.peers.serving_others_now == 0:
             # Nobody to average with (the other replicas left, or only joiners still in weight sync are
             # there): not this worker's failure, and no reason for it to self-terminate.
             rec.status, rec.error = "skipped", "no other serving replica of the stage"
+        elif rec.status == "failed" and not rec.grouped and self._elsewhere(rec.round):
+            # The others were all in other rounds (a partner's previous round outlasted this one's window, a
+            # newcomer counting from the stage's step): nobody missed this worker, and the next rounds realign.
+            rec.status, rec.error = "skipped", "the other replicas were averaging other rounds"
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
             if self.compute is not self.master:
@@ -171,40 +191,77 @@ class SpartaRounds:
         self.log.warning("preemption armed", signal=sig.id, during=sig.during, round=round_index)
         return sig.during
 
+    def _elsewhere(self, round_index: int) -> bool:
+        """Whether the other serving replicas are all averaging other rounds than `round_index` (at least one
+        announces one), and none was seen in it: the round missed them, not they it. One between rounds, or
+        whose short rounds the records never caught, is no such evidence."""
+        rounds = self.peers.rounds_now
+        return (bool(rounds) and len(rounds) >= self.peers.serving_others_now
+                and round_index not in rounds.values() and not self.peers.seen_in_round(round_index))
+
+    def _others_past(self, round_index: int) -> bool:
+        """Whether every other serving replica (at least one) announces a round later than `round_index`."""
+        rounds = self.peers.rounds_now
+        return bool(rounds) and len(rounds) >= self.peers.serving_others_now and min(rounds.values()) > round_index
+
+    def _partners_may_come(self) -> bool:
+        """Whether another replica may still come to the running round: one serves, and not all of them
+        are averaging later rounds."""
+        return self.peers.serving_others_now > 0 and not self._others_past(self.pending[0].round)
+
     def begin(self, round_index: int, step: int) -> None:
-        """Start round `round_index` after the stage's step `step` (or record why it did not start)."""
+        """Start round `round_index` after the stage's step `step` (or record why it did not start): the
+        stage's current round instead where this worker is behind it."""
+        if round_index <= self.last_begun:
+            return  # it took part in this round already: it joined it with the stage, ahead of its own count
         segment = round_index % self.tiling.segments
         waited = 0.0
         if self.pending is not None:
             # Rounds slower than every_steps steps: wait for the previous one rather than skip or delay
             # this one, so that every replica takes part in every round, in order (skipping here would
-            # leave the replicas in different rounds, and none of them would find a group).
-            # While it waits, requests queue up: it stops waiting once no other replica serves (the partner
-            # died mid-round: nobody is left to keep in step with, and trainers would time out on this one).
+            # leave the replicas in different rounds, and none of them would find a group). The worker
+            # answers requests meanwhile (forwards, and backwards up to the step's batch). It stops waiting
+            # once nobody can come to the previous round: no other replica serves (the partner died
+            # mid-round), or all of them announce later rounds.
             t0 = time.monotonic()
             deadline = t0 + self.transport.round_deadline_s
-            while self.pending is not None and time.monotonic() < deadline and self.peers.serving_others_now > 0:
-                self.collect(wait_s=min(0.2, max(0.0, deadline - time.monotonic())))
+            while self.pending is not None and time.monotonic() < deadline and self._partners_may_come():
+                if self.collect() is None:
+                    self.worker.serve_once(min(0.05, max(0.0, deadline - time.monotonic())), stepping=False)
             waited = time.monotonic() - t0
-            if self.pending is not None and self.peers.serving_others_now == 0:
+            if (self.pending is not None and self.peers.serving_others_now > 0
+                    and self._others_past(self.pending[0].round) and self.pending[0].looking()):
+                # Every other serving replica averages a later round and this one still looks for a group:
+                # give it up, and begin the stage's current round, where they are (a replica busy with a
+                # round nobody comes to would miss every round they begin meanwhile, and they its).
+                self.pending[0].cancel()
+                self._abandoned = self.pending[0].round
+                self.collect(wait_s=5.0)
+            if self.pending is not None and not self._partners_may_come():
+                why = "no other replica serves" if self.peers.serving_others_now == 0 else \
+                    "the other replicas are averaging later rounds"
                 self._record(RoundRecord(round_index, segment, "skipped",
-                                         error="the previous round still runs and no other replica serves"),
-                             step=step)
+                                         error=f"the previous round still runs and {why}"), step=step)
                 return
             if self.pending is not None:  # the transport is stuck past every deadline
                 self._record(RoundRecord(round_index, segment, "failed", error="the previous round never ended"),
                              step=step)
                 return
-        if self.worker.progress.stage_step() - step >= self.cfg.every_steps:
-            # Catching up with the stage's step (a joiner whose state is newer than its step counter):
-            # the other replicas have moved past this round. A replica a step or two behind (it learns
-            # of the stage's steps through the DHT) still meets the others in this round's matchmaking.
-            self._record(RoundRecord(round_index, segment, "skipped", error="catching up with the stage's step"),
-                         step=step)
-            return
+        current = self.worker.progress.stage_step() // self.cfg.every_steps - 1
+        if current > round_index:
+            # A round or more behind the stage's step (it waited for its previous round; a joiner catching up
+            # with the stage's step counter): the others are in the stage's current round, and so is this one.
+            # A replica a step or two behind (it learns of the stage's steps through the DHT) keeps its round.
+            round_index, segment = current, current % self.tiling.segments
         if self.peers.live < 2:
             self._record(RoundRecord(round_index, segment, "skipped", error="no other replica of the stage"),
                          step=step)
+            return
+        if self._others_past(round_index):
+            # Every other serving replica is averaging a later round (this one waited long for its previous
+            # round): nobody will come to this one; the next due round meets them.
+            self._record(RoundRecord(round_index, segment, "skipped",
+                                     error="the other replicas are averaging a later round"), step=step)
             return
         weight = self.phases.averaging_weight(self.samples_since_round)
         self.samples_since_round = 0
@@ -218,6 +275,8 @@ class SpartaRounds:
                          step=step)
             return
         self.pending = (pending, snapshot)
+        self.last_begun = round_index
+        self.worker.averaging_round = round_index
         self.waited_s[round_index] = round(waited, 3)
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -104,6 +104,8 @@ class Worker:
         self.max_microbatch = run.workers.max_microbatch
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role
+        self.averaging_round: Optional[int] = None
+        """The SPARTA round this replica is averaging right now, announced in its record (set by the rounds)."""
         self.validate = run.validation.enabled
         self.fault: Optional[str] = None
         """A fault drill (:mod:`agoractl.training.fault_drill`): this worker's outputs are made wrong on purpose."""
@@ -222,11 +224,14 @@ class Worker:
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def _take(self) -> list[Task]:
+    def _take(self, stepping: bool = True) -> list[Task]:
         """The batch to compute next: from the queue holding the oldest request, that request and the
         queued ones of the same kind, up to max_microbatch samples — and, for gradient work while the
-        stage is short of its batch, no more than the samples the step still needs."""
-        heads = [(q[0].arrived, name) for name, q in self._queues.items() if q]
+        stage is short of its batch, no more than the samples the step still needs. Unless `stepping`, no
+        gradient work once the batch is complete: it waits for the step."""
+        full = not stepping and not self.progress.finished and self.progress.room() == 0
+        heads = [(q[0].arrived, name) for name, q in self._queues.items()
+                 if q and not (full and name == "backward")]
         if not heads:
             return []
         _, name = min(heads)
@@ -252,13 +257,20 @@ class Worker:
     def run_once(self, timeout: float = 0.05) -> bool:
         """Step if the stage is due, then compute one coalesced batch; False if none came in `timeout`."""
         self.maybe_step()
+        return self.serve_once(timeout)
+
+    def serve_once(self, timeout: float = 0.05, stepping: bool = True) -> bool:
+        """Compute one coalesced batch; False if none came in `timeout`. A step callback that waits (a SPARTA
+        round for the previous one) calls this with `stepping` False: the trainers' forwards are answered
+        meanwhile (report §4.2: the exchange does not stop the worker), and their backwards until the step's
+        batch is complete — beyond it they wait for the step, which must not absorb several batches."""
         t0 = time.monotonic()
         with self._cond:
             if not self.queued():
                 self._cond.wait(timeout)
             if self.progress.own and self.progress.finished:  # queued while the last step (and its mix) ran
                 self._answer_queued()
-            batch = self._take()
+            batch = self._take(stepping)
         self.stats.idle_s += time.monotonic() - t0
         if not batch:
             return False

@@ -77,6 +77,19 @@ def test_a_joiner_starts_at_the_stage_step_and_counts_from_there():
     assert joiner.should_step() and joiner.stage_step() == 4
 
 
+def test_a_joiner_counts_the_samples_of_replicas_that_left_before_it_came():
+    # "a" ran 19 samples and left; "b" ran 16 and saw the stage at 35 (32 for steps 0-3, 3 toward step 4)
+    joiner = StageProgress(8, 10, step=4)
+    joiner.observe({"b": PeerProgress(step=4, total=16, seen=35)})
+    assert joiner.collective() == 3 and joiner.room() == 5
+    joiner.add(2)
+    joiner.observe({"b": PeerProgress(step=4, total=19, seen=37)})
+    assert joiner.should_step() and joiner.collective() == 8
+    stale = StageProgress(8, 10, step=4)
+    stale.observe({"b": PeerProgress(step=4, total=16)})  # a peer that does not say what it saw: from the step
+    assert stale.collective() == 0 and stale.room() == 8
+
+
 def test_a_stage_restarted_at_a_step_takes_one_batch_per_step_from_there():
     """A run resumed from its step-4 checkpoint: the lone replica's first step takes one global batch, not
     the 40 samples of steps 0-4 (a joiner, by contrast, learns what came before from its peers' counts)."""

@@ -1,12 +1,15 @@
 """The swarm on emulated hosts (``local.hosts``): every node in its own network namespace — the path a
-multi-machine run takes — with contributors shaped as in report §3.5.2.2, and one churn replacement.
+multi-machine run takes — with contributors shaped as in report §3.5.2.2, under churn.
 
 One scenario, run once for the module (a swarm takes minutes to start on 2 shared cores), checked by the
 tests below: ``launch swarm`` with 3 stages x 2 workers (the second of each stage a contributor shaped to
 100 Mbit/s and 100 ms RTT: tc tbf plus the delay line), 2 trainers, SPARTA every 4 steps. Once it trains,
-``agoractl ops churn --stage head --count 1`` SIGKILLs a head worker and the launcher starts a new one
-through the ordinary join path (on a new host). Needs root and iproute2 (skipped otherwise). Every
-process, namespace and veth is removed at the end, also when the scenario fails.
+``agoractl ops churn --stage head --stage body-1 --every 20 --for 120`` SIGKILLs a head or body worker every
+20 s for two minutes, and each time the launcher starts a new one through the ordinary join path (on a new
+host); the run still reaches ``max_steps`` with no sample lost. Two stages take turns because a newcomer takes
+20-30 s to join here, and churn never kills a stage's only joined worker; the tail is not churned, so that its
+shaped contributor's rounds are measured undisturbed. Needs root and iproute2 (skipped otherwise). Every process,
+namespace and veth is removed at the end, also when the scenario fails.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ pytestmark = [pytest.mark.swarm,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                  reason="needs root and iproute2 (ip, tc) for network namespaces")]
 MANIFEST = MANIFESTS / "local-cpu.yaml"
-MAX_STEPS = 20
+MAX_STEPS = 240
+"""Enough steps to outlast the churn (two minutes) on this machine: 240 steps took 184 s of training here."""
+CHURN_EVERY_S, CHURN_FOR_S = 20, 120
 SETTINGS = [
     "model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8", f"training.max_steps={MAX_STEPS}",
     "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
@@ -65,8 +70,8 @@ def scenario(sample_shards, tmp_path_factory):
     t0 = time.monotonic()
     swarm = subprocess.Popen(agoractl("launch", "swarm", MANIFEST, *sets(values), "--json"), stdout=subprocess.PIPE,
                              stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
-    churn = subprocess.Popen(agoractl("ops", "churn", MANIFEST, *sets(values), "--stage", "head", "--every", "5",
-                                      "--for", "5", "--count", "1", "--seed", "0", "--json",
+    churn = subprocess.Popen(agoractl("ops", "churn", MANIFEST, *sets(values), "--stage", "head", "--stage", "body-1",
+                                      "--every", CHURN_EVERY_S, "--for", CHURN_FOR_S, "--seed", "0", "--json",
                                       "--start-timeout-s", "900"),
                              stdout=subprocess.PIPE, stderr=open(tmp / "churn.err", "wb"), start_new_session=True)
     out = {"tmp": tmp, "before": before, "tag": f"{H.PREFIX}{swarm.pid}"}
@@ -126,19 +131,27 @@ def test_every_node_is_on_its_own_host_and_announces_it(scenario):
 
 def test_sparta_rounds_succeed_with_shaped_contributors(scenario):
     stages = {s["name"]: s for s in scenario["report"]["stages"]}
-    # head had a worker SIGKILLed by the churn: its round may fail; the other stages are undisturbed
-    for name in ("body-1", "tail"):
-        assert stages[name]["averaging_rounds"] >= 3, stages[name]
-        assert stages[name]["averaging_success_mean"] >= 0.9, stages[name]
-    assert stages["head"]["averaging_rounds"] >= 1
+    # the head's and body's workers are SIGKILLed by the churn (and leave no stats: their survivors are newcomers,
+    # who may not have averaged yet); the tail, with its shaped contributor, is undisturbed
+    assert stages["tail"]["averaging_rounds"] >= 3, stages["tail"]
+    assert stages["tail"]["averaging_success_mean"] >= 0.9, stages["tail"]
 
 
-def test_churn_replaced_a_worker_through_the_join_path(scenario):
+def test_churn_replaced_a_worker_every_20_s_through_the_join_path(scenario):
     events = [e for e in scenario["churn"] if e.get("event") == "replaced"]
-    assert scenario["churn_rc"] == 0 and len(events) == 1, scenario["churn"]
-    assert events[0]["stage"] == "head" and events[0]["exit_code"] == -signal.SIGKILL
+    assert scenario["churn_rc"] == 0, scenario["churn"]
+    # every 20 s for 2 minutes: 6 due; one is skipped while both stages' last newcomers are still joining (killing
+    # the other worker of such a stage would leave it without a joined one), and the run may end before the last
+    assert len(events) >= 4, scenario["churn"]
+    assert {e["stage"] for e in events} <= {"head", "body-1"}, events
+    assert all(e["exit_code"] == -signal.SIGKILL for e in events), events
+    skipped = [e for e in scenario["churn"] if e.get("event") == "skipped"]
+    assert all(e["why"].startswith("no stage has two serving workers") for e in skipped), skipped
     logged = scenario["report"]["churn"]
-    assert [e["killed"] for e in logged] == [events[0]["killed"]] and logged[0]["started"].endswith(".rc1")
+    assert [e["killed"] for e in logged] == [e["killed"] for e in events]
+    assert all(".rc" in e["started"] for e in logged), logged
+    # every newcomer but possibly the last joined (served) while the run went on
+    assert all(e["joined_s"] is not None for e in logged[:-1]), logged
 
 
 def test_every_namespace_veth_and_process_is_removed(scenario):

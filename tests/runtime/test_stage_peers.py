@@ -77,3 +77,17 @@ def test_alone_once_no_serving_replica_was_read_for_a_records_lifetime(monkeypat
     now[0] += 5.0
     lonely.read()
     assert lonely.alone()
+
+
+def test_the_rounds_serving_replicas_announce_are_remembered():
+    def serving(r):
+        return SimpleNamespace(role="operator", phase="active", round=r)
+
+    syncing = SimpleNamespace(role="contributor", phase="weight_sync", round=3)
+    peers = StagePeers(Reads({"a": serving(3), "b": serving(None), "j": syncing, "me": serving(3)},
+                             {"a": serving(4), "b": serving(4)}), "head", "me", announce_period_s=1.0)
+    peers.read()
+    assert peers.rounds_now == {"a": 3}  # not itself, not a replica between rounds, not one in weight sync
+    peers.read()
+    assert peers.rounds_now == {"a": 4, "b": 4}
+    assert peers.seen_in_round(3) == {"a"} and peers.seen_in_round(4) == {"a", "b"} and peers.seen_in_round(5) == set()

@@ -4,10 +4,11 @@ Real :class:`Worker` replicas of one stage and the real :class:`SpartaRounds` (t
 phases, delta rule); only the averaging transport is a fake, :class:`InMemoryStage`: a round's group
 forms once every replica still in the stage began it, each member reduces one slice of the values
 (hivemind's butterfly), a reducer preempted during ``reduce`` never returns its slice. Covers: a round
-waits for the previous one; a replica one step behind still joins (one a whole round behind is
-catching up and skips); a lone survivor skips; a preempted peer's round is partial and the next one
-whole; a joiner's weight-sync and optimizer-sync rounds carry weight 0. The same logic over hivemind,
-in a real swarm: tests/runtime/test_sparta_swarm.py.
+waits for the previous one, answering requests meanwhile; a round without a group is no failure while the
+others average other rounds, and a round the others moved past is skipped; a replica one step behind
+still joins (one a whole round behind begins the stage's current round); a lone survivor skips; a preempted
+peer's round is partial and the next one whole; a joiner's weight-sync and optimizer-sync rounds carry
+weight 0. The same logic over hivemind, in a real swarm: tests/runtime/test_sparta_swarm.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from agoractl.algorithms.sparta import weighted_average
 from agoractl.manifest.loader import load_manifest
 from agoractl.training.data_parallel import RoundRecord
 from agoractl.training.sparta_rounds import SpartaRounds
-from agoractl.training.worker import Worker
+from agoractl.training.worker import Task, Worker
 from tests.conftest import MANIFESTS
 
 EVERY = 2
@@ -61,9 +62,15 @@ class InMemoryStage:
             self._maybe_form(round_index)
             self.cond.notify_all()
 
-    def _maybe_form(self, r: int) -> None:
+    def expire(self, r: int) -> None:
+        """Round `r`'s matchmaking window ends: its group is whoever began it (alone: no group)."""
+        with self.cond:
+            self._maybe_form(r, whoever=True)
+            self.cond.notify_all()
+
+    def _maybe_form(self, r: int, whoever: bool = False) -> None:
         joined = self.joined.get(r, {})
-        if r in self.results or not joined or not self.members <= set(joined):
+        if r in self.results or not joined or not (whoever or self.members <= set(joined)):
             return
         group = sorted(joined)
         slices = torch.tensor_split(torch.arange(next(iter(joined.values()))[0].numel()), len(group))
@@ -74,7 +81,7 @@ class InMemoryStage:
         for m in group:
             values, weight, fault = joined[m]
             rec = RoundRecord(r, -1, "failed", group_size=len(group), reducers=len(group), weight=weight,
-                              group_weight=total, snapshot_sum=float(values.double().sum()))
+                              group_weight=total, snapshot_sum=float(values.double().sum()), grouped=len(group) >= 2)
             if fault is not None:
                 rec.error = f"preempted during {fault}"
                 out[m] = (None, None, rec)
@@ -117,12 +124,18 @@ class Member:
 class Pending:
     def __init__(self, stage: InMemoryStage, name: str, round_index: int, segment: int):
         self.stage, self.name, self.round, self.segment = stage, name, round_index, segment
+        self.cancelled = False
 
     def done(self) -> bool:
         with self.stage.cond:
-            return self.round in self.stage.results
+            return self.cancelled or self.round in self.stage.results
+
+    def looking(self) -> bool:
+        return not self.done()
 
     def result(self, timeout=None):
+        if self.cancelled:
+            return None, None, RoundRecord(self.round, self.segment, "failed", error="CancelledError")
         with self.stage.cond:
             assert self.stage.cond.wait_for(self.done, timeout=timeout or 30), f"round {self.round} never formed"
             average, averaged, rec = self.stage.results[self.round][self.name]
@@ -130,7 +143,7 @@ class Pending:
         return average, averaged, rec
 
     def cancel(self):
-        pass
+        self.cancelled = True
 
 
 def run_of(*values):
@@ -148,7 +161,9 @@ class Replica:
     def __init__(self, run, stage: InMemoryStage, name: str, live: int, seed: int):
         self.name = name
         self.worker = Worker(run, 0)
-        self.view = SimpleNamespace(live=live, serving_others_now=live - 1)
+        # the partners "seen" in a round: the other members that began it (the watcher reads their records)
+        self.view = SimpleNamespace(live=live, serving_others_now=live - 1, rounds_now={},
+                                    seen_in_round=lambda r: set(stage.joined.get(r, {})) - {name})
         self.before: dict[int, dict[str, torch.Tensor]] = {}  # stage step done -> master weights
         self.worker.step_callbacks.append(lambda step, w: self.before.__setitem__(step + 1, self.weights()))
         self.transport = stage.member(name)
@@ -191,6 +206,11 @@ def test_a_round_waits_for_the_previous_one():
         time.sleep(0.01)
     time.sleep(0.3)
     assert t.is_alive() and [x["round"] for x in a.records()] == []  # A is waiting, round 1 not begun
+    # ... and answers requests meanwhile, without stepping (a trainer must not time out on it)
+    answered = threading.Event()
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    a.worker.submit(Task("forward", ids, None, None, lambda result, error: error or answered.set()))
+    assert answered.wait(10) and t.is_alive() and a.worker.progress.step == 2 * EVERY
     lockstep([b], 2 * EVERY)  # B begins round 0: it forms, A applies it, then begins round 1
     t.join(30)
     assert not t.is_alive()
@@ -223,7 +243,42 @@ def test_a_round_stops_waiting_for_the_previous_one_once_no_other_replica_serves
     assert [(x["round"], x["status"]) for x in a.records()] == [(1, "skipped"), (0, "skipped")]
 
 
-def test_a_replica_one_step_behind_still_joins_and_one_a_round_behind_skips():
+def test_a_round_nobody_comes_to_is_given_up_for_the_one_the_others_are_in():
+    run = run_of()
+    a, b = replicas(run, 2)
+    a.step(EVERY)  # A begins round 0; B never comes: its record says it averages round 1 already
+    a.view.rounds_now = {"B": 1}
+    t0 = time.monotonic()
+    a.step(EVERY)
+    assert time.monotonic() - t0 < 5
+    assert [(x["round"], x["status"], x["error"]) for x in a.records()] == [
+        (0, "skipped", "given up: the other replicas are averaging later rounds")]
+    assert [x[0] for x in a.transport.stage.began["A"]] == [0, 1]
+
+
+def test_a_round_without_a_group_is_no_failure_while_the_others_average_other_rounds():
+    run = run_of()
+    stage = InMemoryStage()
+    a, b = replicas(run, 2, stage)
+    a.step(EVERY)  # A begins round 0; B, busy with another round, never comes
+    a.view.rounds_now = {"B": 7}
+    stage.expire(0)
+    a.step(1)
+    assert [(x["round"], x["status"], x["error"]) for x in a.records()] == [
+        (0, "skipped", "the other replicas were averaging other rounds")]  # not counted toward self-termination
+    a.view.rounds_now = {}  # B between rounds (or its short round missed by the records): no evidence
+    a.step(EVERY - 1)
+    stage.expire(1)
+    a.step(1)
+    assert [(x["round"], x["status"]) for x in a.records()][1:] == [(1, "failed")]
+    a.view.rounds_now = {"B": 9}  # B averages a later round: nobody will come to round 2
+    a.step(EVERY - 1)
+    assert [(x["round"], x["status"], x["error"]) for x in a.records()][2:] == [
+        (2, "skipped", "the other replicas are averaging a later round")]
+    assert [x[0] for x in stage.began["A"]] == [0, 1]
+
+
+def test_a_replica_one_step_behind_still_joins_and_one_a_round_behind_joins_the_stages_round():
     run = run_of()
     a, b = replicas(run, 2)
     lockstep([a, b], EVERY - 1)
@@ -232,11 +287,15 @@ def test_a_replica_one_step_behind_still_joins_and_one_a_round_behind_skips():
     lockstep([a, b], 2)
     assert [(x["round"], x["status"]) for x in b.records()] == [(0, "complete")]
     assert a.records()[0]["average_sum"] == b.records()[0]["average_sum"]
-    # A joiner whose counter is a whole round behind the stage's is catching up: the others have moved on.
-    b.worker.progress.observe({"A": PeerProgress(step=b.worker.progress.step + 2 * EVERY, total=0)})
+    # B's counter a whole round behind the stage's (a joiner catching up, a replica that waited for its previous
+    # round): the others are in the stage's current round, and B begins that one, not its own
+    stage_step = b.worker.progress.step + 2 * EVERY + 1
+    b.worker.progress.observe({"A": PeerProgress(step=stage_step, total=0)})
     b.step(EVERY - 1)
-    rec = b.records()[-1]
-    assert (rec["round"], rec["status"], rec["error"]) == (1, "skipped", "catching up with the stage's step")
+    assert [r for r, _, _ in b.transport.stage.began["B"]] == [0, stage_step // EVERY - 1]
+    b.worker.progress.observe({"A": PeerProgress(step=b.worker.progress.step, total=0)})
+    b.step(2 * EVERY)  # its own count passes the rounds it jumped over: none is begun again
+    assert [r for r, _, _ in b.transport.stage.began["B"]] == [0, stage_step // EVERY - 1]
 
 
 def test_a_lone_survivor_skips():

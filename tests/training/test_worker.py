@@ -1,6 +1,6 @@
-"""The worker's compute (agoractl.training.worker): coalescing, queue choice, step boundaries, and a
-pure pipeline of in-process workers matching the centralized reference step for step.
-In-process, no network (the multi-process swarm is tested in test_swarm.py)."""
+"""The worker's compute (agoractl.training.worker): coalescing, queue choice, step boundaries (also while
+a step callback waits), and a pure pipeline of in-process workers matching the centralized reference step
+for step. In-process, no network (the multi-process swarm is tested in test_swarm.py)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,22 @@ def test_a_coalesced_batch_stops_at_the_step_boundary():
     assert all(b.done for b in boxes) and tail.progress.step == 1 and tail.progress.samples == 2
     assert tail.stats.steps[0][2] == 4
     assert all(float(b.result["loss"]) > 0 for b in boxes)
+
+
+def test_serving_without_stepping_holds_gradient_work_past_the_batch_but_answers_forwards():
+    # what a worker does while a SPARTA round waits for the previous one (it cannot step until it returns)
+    run = small_run()  # global batch 4
+    tail, body = Worker(run, 2), Worker(run, 1)
+    ids = samples(6)
+    wire = torch.randn(6, 16, run.model.ssn.rank)
+    boxes = [submit(tail, "forward_backward", ids[i:i + 1], wire[i:i + 1]) for i in range(6)]
+    forward = submit(body, "forward", ids[:1], wire[:1])
+    tail.serve_once(0.01, stepping=False)
+    assert sum(b.done for b in boxes) == 4 and tail.progress.room() == 0
+    assert not tail.serve_once(0.01, stepping=False) and sum(b.done for b in boxes) == 4  # held for the step
+    assert body.serve_once(0.01, stepping=False) and forward.done and forward.error is None
+    tail.run_once(0.01)  # the step, then the held work
+    assert all(b.done for b in boxes) and tail.progress.step == 1 and tail.stats.steps[0][2] == 4
 
 
 def test_bad_requests_fail_without_killing_the_worker():
