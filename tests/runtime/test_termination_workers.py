@@ -165,10 +165,11 @@ def test_a_worker_failing_two_of_three_rounds_terminates_itself(trainer, workers
     async def feed():
         client = await client_of(dht)
         await asyncio.sleep(3)  # both have seen each other's record before the first round
-        deadline = time.monotonic() + 180  # a healthy sample takes well under a second: never wait out a hang
-        for _ in range(12):  # one step of the stage per pair of samples, a round per step
-            if workers.procs["f"].poll() is not None or time.monotonic() > deadline:
-                return
+        # A round per step of the stage (three samples). Each of f's rounds holds its averager until the round's
+        # deadline (hivemind retries the failed all-reduce, and a and b have moved on), and its record is read
+        # at f's next step: feed until f leaves, within a bound.
+        deadline = time.monotonic() + 180
+        while workers.procs["f"].poll() is None and time.monotonic() < deadline:
             # A call to f may meet it shutting down once it terminated itself (an error, or no answer: bounded).
             calls = asyncio.gather(sample(client, a), sample(client, b), sample(client, f), return_exceptions=True)
             try:
