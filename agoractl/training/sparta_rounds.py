@@ -32,7 +32,9 @@ thread, between optimizer steps, where the weights may change):
   round. With no other replica alive, or all the others in a later round, the round is skipped. A
   round that formed no group while no other replica serves (the others left, or are joiners still
   in weight sync), or while all of them were averaging other rounds, is skipped too, not failed:
-  only failures with a partner to average with count toward self-termination;
+  only failures with a partner to average with count toward self-termination. So is a round given up,
+  unless this worker gave up as many rounds in a row as the self-termination window holds: a worker
+  whose rounds never meet its stage's (too slow, a link too thin) does not average, and leaves;
 - a worker in a sync phase whose stage has no other serving replica goes active (:meth:`SpartaRounds.alone`,
   called by the node's watcher): nobody is left to catch up with, and the stage would stop stepping;
 - a preemption signal aimed at this worker (:attr:`SpartaRounds.signals`, kept current by the
@@ -82,6 +84,8 @@ class SpartaRounds:
         """The latest round this worker began."""
         self._abandoned: Optional[int] = None
         """The round this worker gave up while it looked for a group (:meth:`begin`)."""
+        self.given_up_in_a_row = 0
+        """Rounds given up since this worker's last round with the others (complete or partial)."""
         self.waited_s: dict[int, float] = {}
         """Per round, how long the compute thread waited for the previous round before starting it."""
         self.rounds: list[dict] = []
@@ -152,8 +156,16 @@ class SpartaRounds:
         self.pending = None
         self.worker.averaging_round = None
         average, averaged, rec = pending.result(timeout=1.0)
-        if rec.round == self._abandoned:
-            rec.status, rec.error = "skipped", "given up: the other replicas are averaging later rounds"
+        if rec.round == self._abandoned and average is None:
+            # Once, after a churn, a replica out of step with its stage: not its failure. A worker whose rounds keep
+            # missing its stage's (too slow to meet them, a link that cannot carry them) is not averaging: from
+            # the window's worth of give-ups in a row on, each counts as a failure (self-termination).
+            self.given_up_in_a_row += 1
+            rec.error = "given up: the other replicas are averaging later rounds"
+            if self.given_up_in_a_row < self.run.workers.self_termination.window_rounds:
+                rec.status = "skipped"
+            else:
+                rec.status, rec.error = "failed", f"{rec.error} ({self.given_up_in_a_row} given up in a row)"
         elif rec.status == "failed" and rec.group_size == 0 and self.peers.serving_others_now == 0:
             # Nobody to average with (the other replicas left, or only joiners still in weight sync are
             # there): not this worker's failure, and no reason for it to self-terminate.
@@ -162,6 +174,8 @@ class SpartaRounds:
             # The others were all in other rounds (a partner's previous round outlasted this one's window, a
             # newcomer counting from the stage's step): nobody missed this worker, and the next rounds realign.
             rec.status, rec.error = "skipped", "the other replicas were averaging other rounds"
+        if rec.status in ("complete", "partial"):
+            self.given_up_in_a_row = 0
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
             if self.compute is not self.master:

@@ -256,6 +256,26 @@ def test_a_round_nobody_comes_to_is_given_up_for_the_one_the_others_are_in():
     assert [x[0] for x in a.transport.stage.began["A"]] == [0, 1]
 
 
+def test_a_worker_giving_up_a_window_of_rounds_in_a_row_counts_failures():
+    run = run_of()  # self-termination window: 3 rounds
+    a, b = replicas(run, 2)
+    a.step(EVERY)
+    for ahead in (1, 2, 3, 4):  # B is always a round ahead: every round A begins, it gives up at the next one
+        a.view.rounds_now = {"B": ahead}
+        a.step(EVERY)
+    given_up = "given up: the other replicas are averaging later rounds"
+    assert [(x["round"], x["status"], x["error"]) for x in a.records()] == [
+        (0, "skipped", given_up), (1, "skipped", given_up), (2, "failed", f"{given_up} (3 given up in a row)"),
+        (3, "failed", f"{given_up} (4 given up in a row)")]
+    # B comes to A's round 4: a round with the others (complete or partial) starts the count again
+    segment = 4 % a.rounds.tiling.segments
+    b.transport.begin_round(4, segment, b.rounds.tiling.gather(b.rounds.master, segment), 1.0, 2)
+    a.view.rounds_now = {"B": 4}
+    a.step(1)
+    assert (a.records()[-1]["round"], a.records()[-1]["status"]) == (4, "complete")
+    assert a.rounds.given_up_in_a_row == 0
+
+
 def test_a_round_without_a_group_is_no_failure_while_the_others_average_other_rounds():
     run = run_of()
     stage = InMemoryStage()
