@@ -271,6 +271,9 @@ class Worker:
             if self.progress.own and self.progress.finished:  # queued while the last step (and its mix) ran
                 self._answer_queued()
             batch = self._take(stepping)
+            if not batch and self.queued():  # only work held for the step: wait for a new request, do not spin
+                self._cond.wait(timeout)
+                batch = self._take(stepping)
         self.stats.idle_s += time.monotonic() - t0
         if not batch:
             return False

@@ -4,6 +4,8 @@ for step. In-process, no network (the multi-process swarm is tested in test_swar
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from agoractl.manifest.loader import load_manifest
@@ -102,6 +104,8 @@ def test_serving_without_stepping_holds_gradient_work_past_the_batch_but_answers
     tail.serve_once(0.01, stepping=False)
     assert sum(b.done for b in boxes) == 4 and tail.progress.room() == 0
     assert not tail.serve_once(0.01, stepping=False) and sum(b.done for b in boxes) == 4  # held for the step
+    t0 = time.monotonic()  # with only held work queued, it waits for new requests rather than spin
+    assert not tail.serve_once(0.2, stepping=False) and time.monotonic() - t0 >= 0.15
     assert body.serve_once(0.01, stepping=False) and forward.done and forward.error is None
     tail.run_once(0.01)  # the step, then the held work
     assert all(b.done for b in boxes) and tail.progress.step == 1 and tail.stats.steps[0][2] == 4
