@@ -85,7 +85,7 @@ class SpartaRounds:
         self._abandoned: Optional[int] = None
         """The round this worker gave up while it looked for a group (:meth:`begin`)."""
         self.given_up_in_a_row = 0
-        """Rounds given up since this worker's last round with the others (complete or partial)."""
+        """Rounds given up since this worker's last round with the others (complete, partial or empty)."""
         self.waited_s: dict[int, float] = {}
         """Per round, how long the compute thread waited for the previous round before starting it."""
         self.rounds: list[dict] = []
@@ -174,7 +174,7 @@ class SpartaRounds:
             # The others were all in other rounds (a partner's previous round outlasted this one's window, a
             # newcomer counting from the stage's step): nobody missed this worker, and the next rounds realign.
             rec.status, rec.error = "skipped", "the other replicas were averaging other rounds"
-        if rec.status in ("complete", "partial"):
+        if rec.status in ("complete", "partial", "empty"):
             self.given_up_in_a_row = 0
         if average is not None:
             apply_round(self.master, self.tiling, pending.segment, snapshot, average, self.cfg.delta_rule, averaged)
