@@ -209,14 +209,18 @@ class SpartaRounds:
         """Whether the other serving replicas are all averaging other rounds than `round_index` (at least one
         announces one), and none was seen in it: the round missed them, not they it. One between rounds, or
         whose short rounds the records never caught, is no such evidence."""
-        rounds = self.peers.rounds_now
-        return (bool(rounds) and len(rounds) >= self.peers.serving_others_now
-                and round_index not in rounds.values() and not self.peers.seen_in_round(round_index))
+        rounds = self._announced()
+        return bool(rounds) and round_index not in rounds.values() and not self.peers.seen_in_round(round_index)
 
     def _others_past(self, round_index: int) -> bool:
         """Whether every other serving replica (at least one) announces a round later than `round_index`."""
+        rounds = self._announced()
+        return bool(rounds) and min(rounds.values()) > round_index
+
+    def _announced(self) -> dict[str, int]:
+        """The round each other serving replica announces, if every one of them announces one (else empty)."""
         rounds = self.peers.rounds_now
-        return bool(rounds) and len(rounds) >= self.peers.serving_others_now and min(rounds.values()) > round_index
+        return rounds if len(rounds) >= self.peers.serving_others_now else {}
 
     def _partners_may_come(self) -> bool:
         """Whether another replica may still come to the running round: one serves, and not all of them
