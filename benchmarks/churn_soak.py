@@ -15,6 +15,7 @@ end). Central trains in a store of its own.
 
     python benchmarks/churn_soak.py --json
     python benchmarks/churn_soak.py --minutes 5 --every 20 --json
+    python benchmarks/churn_soak.py --no-churn --json    # the control: the swarm's own gap, nobody killed
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--every", type=float, default=60.0, help="seconds between replacements")
+    p.add_argument("--no-churn", action="store_true",
+                   help="the control: the same swarm for the same minutes, nobody killed (the cost of the swarm itself)")
     p.add_argument("--hosts", action="store_true", help="every node on its own emulated host (root only)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest override")
     p.add_argument("--json", action="store_true")
@@ -68,11 +71,15 @@ def main() -> None:
         sets = [a for v in values for a in ("--set", v)]
         swarm = subprocess.Popen([*agoractl, "launch", "swarm", str(MANIFEST), *sets, "--json"], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=open(tmp / "swarm.err", "wb"), start_new_session=True)
-        churn = subprocess.Popen([*agoractl, "ops", "churn", str(MANIFEST), *sets, "--every", str(args.every),
-                                  "--for", str(args.minutes * 60), "--json"], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=open(tmp / "churn.err", "wb"))
-        events = [json.loads(line) for line in churn.communicate()[0].decode().splitlines() if line.strip()]
-        time.sleep(args.every / 2)  # let the last newcomer join before the end (the schedule, not readiness)
+        if args.no_churn:
+            events = []
+            time.sleep(args.minutes * 60)  # the run's length, as the churned run's (the schedule, not readiness)
+        else:
+            churn = subprocess.Popen([*agoractl, "ops", "churn", str(MANIFEST), *sets, "--every", str(args.every),
+                                      "--for", str(args.minutes * 60), "--json"], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=open(tmp / "churn.err", "wb"))
+            events = [json.loads(line) for line in churn.communicate()[0].decode().splitlines() if line.strip()]
+            time.sleep(args.every / 2)  # let the last newcomer join before the end (the schedule, not readiness)
         os.killpg(swarm.pid, signal.SIGINT)
         out, _ = swarm.communicate(timeout=300)
         report = json.loads(out) if out.strip() else json.loads((tmp / "run" / "swarm-report.json").read_text())
@@ -86,7 +93,7 @@ def main() -> None:
     # a step's loss is the mean over its 8 samples: the last 5 steps are 40 samples; 50 steps are steadier
     swarm_50, central_50 = final_loss(report, steps, 50), final_loss(central, steps, 50)
     result = {
-        "minutes": args.minutes, "every_s": args.every, "hosts": args.hosts, "steps": steps,
+        "minutes": args.minutes, "every_s": None if args.no_churn else args.every, "hosts": args.hosts, "steps": steps,
         "tokens": report.get("tokens"), "swarm_final_loss": swarm_loss, "central_final_loss": central_loss,
         "loss_gap_pct": round(100 * (swarm_loss - central_loss) / central_loss, 2) if swarm_loss and central_loss
         else None,
