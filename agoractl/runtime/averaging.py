@@ -33,6 +33,7 @@ method (``data_parallel.sparta`` or ``data_parallel.fgdiloco``: timeouts, chunk 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -46,6 +47,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
@@ -222,6 +225,26 @@ class StageAverager(DecentralizedAverager):
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
+        """hivemind's, but holding the averaged tensors through :func:`held`. The all-reduce timeout cancels this
+        coroutine; hivemind's ``enter_asynchronously(get_tensors())``, cancelled while its executor thread waits
+        for the lock (the host copying a round in or out holds it), takes the lock after the cancel and never
+        gives it back: the host's next ``get_tensors`` then blocked its compute thread for good (a worker with a
+        1 ms all-reduce timeout stopped stepping instead of failing its rounds and leaving)."""
+        try:
+            bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
+            download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, mode_ids)]
+            fractions = await asyncio.get_running_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, download, min_vector_size)
+            async with held(self.lock_averaged_tensors):
+                await self._run_allreduce_inplace_(self._averaged_tensors, group_info, peer_fractions=fractions,
+                                                   **kwargs)
+            return dict(zip(group_info.peer_ids, map(self.serializer.loads, gathered)))
+        except BaseException as e:  # hivemind's contract: the step retries on a MatchmakingException
+            if isinstance(e, Exception):
+                logs.get("averaging").warning("all-reduce failed", error=f"{type(e).__name__}: {e}")
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: Optional[bytes] = None, **kwargs) -> None:
         plan = self._plan
@@ -266,6 +289,23 @@ class StageAverager(DecentralizedAverager):
             stats[_S["matchmaking_s"]] = t_group - t0
             stats[_S["duration_s"]] = time.monotonic() - t0
             stats[_S["round"]] = plan.get("round", -1)
+
+
+@contextlib.asynccontextmanager
+async def held(lock) -> AsyncIterator[None]:
+    """`lock` (a threading or multiprocessing lock) held from an event loop without blocking it: the wait runs in
+    an executor thread, and if the waiting coroutine is cancelled meanwhile, the lock is released as soon as that
+    thread gets it, rather than left taken by nobody."""
+    acquiring = asyncio.get_running_loop().run_in_executor(None, lock.acquire)
+    try:
+        await asyncio.shield(acquiring)
+    except BaseException:
+        acquiring.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or lock.release())
+        raise
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def averager_prefix(run: str, stage: str, method: str) -> str:

@@ -8,11 +8,13 @@ a groupmate's), a reducer preempted during reduce, bytes per round against
 the payload, a peer sending NaN or huge values (dropped by the reducers, its slice left partial: no
 honest peer's values become non-finite or jump, and every value recorded averaged holds the honest average).
 Takes about a minute on a loaded 2-core machine. One more test, in-process and without network,
-feeds a real StageAllReduce a dropped part before the honest ones: the reducer's accounting behind "complete".
+feeds a real StageAllReduce a dropped part before the honest ones: the reducer's accounting behind "complete"; another
+holds the averaged tensors' lock through a cancelled wait (`held`) and finds it free afterwards.
 """
 
 import asyncio
 import json
+import multiprocessing
 import selectors
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from agoractl.runtime.allreduce import StageAllReduce, expected_round_bytes
-from agoractl.runtime.averaging import StageAverager
+from agoractl.runtime.averaging import StageAverager, held
 from agoractl.algorithms.termination import EXIT_PREEMPTED
 from tests.conftest import ROOT
 
@@ -257,3 +259,39 @@ def test_a_dropped_part_takes_only_its_sender_off_the_reducers_part():
         assert (expected, received) == (24, 16)  # the bad sender's values are the ones missing
 
     asyncio.run(scenario())
+
+
+def test_the_averaged_tensors_lock_outlives_a_cancel_during_its_wait():
+    """`held` (StageAverager's all-reduce takes its tensors through it): the all-reduce timeout cancels the wait for
+    the lock while the host holds it (copying a round in); the executor thread takes it after the cancel, and it
+    comes back free. hivemind's own ``enter_asynchronously`` kept it: the worker's next round blocked forever."""
+    lock = multiprocessing.Lock()
+
+    async def use():
+        async with held(lock):
+            await asyncio.sleep(1)
+
+    async def scenario():
+        lock.acquire()  # the host process, mid-copy
+        task = asyncio.create_task(asyncio.wait_for(use(), 0.001))
+        await asyncio.sleep(0.1)
+        assert not task.done() or isinstance(task.exception(), asyncio.TimeoutError)
+        lock.release()  # the waiting thread takes it now, for a coroutine that is gone
+        with pytest.raises(asyncio.TimeoutError):
+            await task
+        for _ in range(200):  # its release runs on the loop, once the thread's acquire returned
+            if lock.acquire(block=False):
+                lock.release()
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(scenario()), "the lock stayed taken after the cancelled wait"
+
+    async def normal():
+        async with held(lock):
+            assert not lock.acquire(block=False)  # taken while held
+        assert lock.acquire(block=False)
+        lock.release()
+
+    asyncio.run(normal())
