@@ -84,7 +84,7 @@ class SavedBytes:
         ptr = storage.data_ptr()
         if ptr not in self.skip:
             self.seen[ptr] = storage.nbytes()
-        return t
+        return t.detach()  # not `t`: a saved output would hold its own graph node, a cycle never freed
 
     def add(self, *tensors: Optional[torch.Tensor]) -> None:
         for t in tensors:

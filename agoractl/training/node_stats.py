@@ -52,6 +52,8 @@ class WorkerStats:
     max_coalesced: int = 0
     coalesced_sum: int = 0
     compute_s: float = 0.0
+    compute_cpu_s: float = 0.0
+    """CPU seconds (thread time) of the compute thread in `compute_s`: below it, the process waited for a core."""
     idle_s: float = 0.0
     failed_batches: int = field(default=0, metadata=DETAIL)
     refused: int = 0

@@ -302,7 +302,7 @@ class Worker:
         method = batch[0].method
         sizes = [t.size for t in batch]
         n = sum(sizes)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         try:
             with torch.enable_grad() if method != "forward" or self.cache is not None else torch.no_grad():
                 results = getattr(self, f"_{method}")(batch, sizes)
@@ -324,6 +324,7 @@ class Worker:
         if not batch:
             return
         self.stats.compute_s += elapsed
+        self.stats.compute_cpu_s += time.thread_time() - c0
         self.stats.batches[method] += 1
         self.stats.max_coalesced = max(self.stats.max_coalesced, n)
         self.stats.coalesced_sum += n

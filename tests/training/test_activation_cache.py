@@ -5,11 +5,16 @@ within workers.activation_cache_mb."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from agoractl.training.activation_cache import ActivationCache, Entry
 from agoractl.training.worker import Worker
+from agoractl.manifest.loader import load_manifest
+from tests.conftest import MANIFESTS
 from tests.training.test_worker import samples, small_run, submit
 
 STEPS = 20
@@ -124,6 +129,62 @@ def test_stale_weights_are_never_used():
         head.params[0].add_(0.01)  # e.g. an averaging round between forward and backward
     drain(head, [submit(head, "backward", ids, None, torch.randn(2, 16, run.model.ssn.rank))])
     assert head.cache.stats.stale == 1 and head.cache.stats.hits == 0 and head.cache.stats.misses == 1
+
+
+def test_an_entry_dropped_without_its_backward_frees_its_graph():
+    """A stale or evicted entry is dropped unused: its graph, and every activation it saved, must go with it
+    (saving a tensor that holds its own graph node made a cycle nothing freed: the head's RSS grew by the
+    graph of every stale forward, to 2.6 GB on bench-cpu)."""
+    run = small_run("workers.activation_cache_mb=64")
+    for w, wire in ((Worker(run, 0), None), (Worker(run, 1), torch.randn(2, 16, run.model.ssn.rank))):
+        drain(w, [submit(w, "forward", samples(2), wire)])
+        saved = []  # every tensor autograd saved for the entry's backward, and its output
+        for entry in w.cache.entries.values():
+            saved.append(weakref.ref(entry.output))
+            todo, seen = [entry.output.grad_fn], set()
+            while todo:
+                node = todo.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                saved += [weakref.ref(getattr(node, a)) for a in dir(node) if a.startswith("_saved_")
+                          and isinstance(getattr(node, a), torch.Tensor)]
+                todo += [n for n, _ in node.next_functions]
+            del node, seen, todo
+        assert len(saved) > 3
+        entry = None
+        w.cache.clear()
+        gc.collect()
+        assert [r for r in saved if r() is not None] == [], f"{w.name}: the dropped entry's tensors are alive"
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_the_process_memory_stays_within_the_bound_as_entries_go_stale_and_are_evicted():
+    """What workers.activation_cache_mb bounds is the worker's memory, not only the cache's own count: a
+    bench-cpu head (entries of about 20 MB) stores 40 forward batches under a 64 MB bound, a step dropping
+    them all every fifth one; the process's RSS grows by no more than the bound."""
+    run = load_manifest(MANIFESTS / "bench-cpu.yaml", ["workers.activation_cache_mb=64"])
+    head = Worker(run, 0)
+
+    def forward(seed: int) -> None:
+        drain(head, [submit(head, "forward", samples(8, run.model.seq_len, seed=seed))])
+
+    for seed in range(6):  # the allocator's and torch's own first-use memory
+        forward(seed)
+    head.cache.clear()
+    gc.collect()
+    before = peak = rss_mb()
+    for seed in range(40):
+        forward(100 + seed)
+        if seed % 5 == 4:  # a step: every entry is stale, and dropped unused
+            head.cache.clear()
+        peak = max(peak, rss_mb())
+    assert head.cache.stats.evicted > 0  # the bound was reached too
+    assert peak - before <= 64, f"RSS grew {peak - before:.0f} MB under a 64 MB cache bound"
 
 
 def test_the_accounting_stays_within_the_bound_and_counts_the_saved_activations():
