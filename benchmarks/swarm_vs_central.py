@@ -150,11 +150,12 @@ def swarm_profile(report: dict) -> dict:
         for k, v in end.items():
             parts[f"{name}_{k}"] = parts.get(f"{name}_{k}", 0.0) + v - (start or {}).get(k, 0.0)
 
-    compute = 0.0
+    compute = compute_cpu = 0.0
     for w in report.get("workers", []):
         if w.get("cpu_s"):  # None for a killed worker (its last DHT record stands in)
             add("worker", w["cpu_s"], w.get("cpu_at_first_request_s") or w.get("cpu_at_ready_s"))
             compute += w.get("compute_s", 0.0)
+            compute_cpu += w.get("compute_cpu_s", 0.0)
     for t in report.get("trainers", []):
         if t.get("cpu_s"):
             add("trainer", t["cpu_s"], t.get("cpu_at_start_s"))
@@ -167,6 +168,7 @@ def swarm_profile(report: dict) -> dict:
         "cores_busy": round(total / report["elapsed_s"], 2) if report["elapsed_s"] else None,
         "cpu_ms_per_sample": {k: round(v / samples * 1000, 2) for k, v in sorted(parts.items())},
         "worker_compute_wall_s": round(compute, 2),
+        "worker_compute_cpu_ms_per_sample": round(compute_cpu / samples * 1000, 2),
         "mean_coalesced": {w["stage"]: round(w["coalesced_sum"] / max(1, sum(w["batches"].values())), 2)
                            for w in report.get("workers", []) if not w.get("killed")},
     }
