@@ -1,7 +1,7 @@
 """The worker's activation cache (agoractl.training.activation_cache): a pure pipeline of in-process
 workers trains to the same losses with it on and off, evictions and backwards landing on another
-replica fall back to the recompute and still complete every sample, and the cache's accounting stays
-within workers.activation_cache_mb."""
+replica fall back to the recompute and still complete every sample, and the cache's accounting, and the
+process's memory, stay within workers.activation_cache_mb (a dropped entry frees its graph)."""
 
 from __future__ import annotations
 
@@ -131,6 +131,20 @@ def test_stale_weights_are_never_used():
     assert head.cache.stats.stale == 1 and head.cache.stats.hits == 0 and head.cache.stats.misses == 1
 
 
+def graph_tensors(output: torch.Tensor) -> list[weakref.ref]:
+    """Weak references to `output` and to every tensor autograd saved in its graph."""
+    refs, todo, seen = [weakref.ref(output)], [output.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        saved = (getattr(node, a) for a in dir(node) if a.startswith("_saved_"))
+        refs += [weakref.ref(t) for t in saved if isinstance(t, torch.Tensor)]
+        todo += [n for n, _ in node.next_functions]
+    return refs
+
+
 def test_an_entry_dropped_without_its_backward_frees_its_graph():
     """A stale or evicted entry is dropped unused: its graph, and every activation it saved, must go with it
     (saving a tensor that holds its own graph node made a cycle nothing freed: the head's RSS grew by the
@@ -138,24 +152,11 @@ def test_an_entry_dropped_without_its_backward_frees_its_graph():
     run = small_run("workers.activation_cache_mb=64")
     for w, wire in ((Worker(run, 0), None), (Worker(run, 1), torch.randn(2, 16, run.model.ssn.rank))):
         drain(w, [submit(w, "forward", samples(2), wire)])
-        saved = []  # every tensor autograd saved for the entry's backward, and its output
-        for entry in w.cache.entries.values():
-            saved.append(weakref.ref(entry.output))
-            todo, seen = [entry.output.grad_fn], set()
-            while todo:
-                node = todo.pop()
-                if node is None or node in seen:
-                    continue
-                seen.add(node)
-                saved += [weakref.ref(getattr(node, a)) for a in dir(node) if a.startswith("_saved_")
-                          and isinstance(getattr(node, a), torch.Tensor)]
-                todo += [n for n, _ in node.next_functions]
-            del node, seen, todo
-        assert len(saved) > 3
-        entry = None
+        refs = [r for entry in w.cache.entries.values() for r in graph_tensors(entry.output)]
+        assert len(refs) > 3
         w.cache.clear()
         gc.collect()
-        assert [r for r in saved if r() is not None] == [], f"{w.name}: the dropped entry's tensors are alive"
+        assert [r for r in refs if r() is not None] == [], f"{w.name}: the dropped entry's tensors are alive"
 
 
 def rss_mb() -> float:
