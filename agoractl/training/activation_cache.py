@@ -133,6 +133,10 @@ class ActivationCache:
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.used)
         return True
 
+    def samples(self) -> int:
+        """Rows (samples) of every kept entry: forwards whose backwards have not come yet."""
+        return sum(sum(e.sizes) for e in self.entries.values())
+
     def summary(self) -> dict:
         st = self.stats
         return {"hits": st.hits, "misses": st.misses, "evicted": st.evicted, "stale": st.stale,

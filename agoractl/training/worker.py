@@ -6,7 +6,9 @@ oldest request and **coalesces** the queued requests of that kind (and shape) up
 The stateless path (§3.3.1.4): a backward recomputes the stage's forward to rebuild the autograd graph.
 With ``workers.activation_cache_mb`` > 0 the worker keeps its recent forwards' graphs
 (:mod:`agoractl.training.activation_cache`, bounded, oldest evicted) and a backward of the same samples
-uses them instead; evicted, partial, stale or unknown samples take the recompute. The tail's fused
+uses them instead; evicted, partial, stale or unknown samples take the recompute. A forward that would be
+the next step's (the replica holds forwards for the rest of the current batch already) waits for the step,
+at most ``workers.forward_hold_s``, rather than keep a graph the step makes stale. The tail's fused
 ``forward_backward`` computes forward, loss and backward in one pass and saves that recompute.
 A stage of role ``whole`` (the model not split) answers only ``forward_backward``: token ids in,
 per-sample losses out, no wire and no input gradient.
@@ -102,6 +104,7 @@ class Worker:
         self.progress = StageProgress(own or run.training.global_batch_size, run.training.stop_step, step,
                                       restarts, seen, own=own is not None)
         self.max_microbatch = run.workers.max_microbatch
+        self.forward_hold_s = run.workers.forward_hold_s
         self.wire_dtype = run.workers.wire_dtype
         self.phase, self.role = phase, role
         self.averaging_round: Optional[int] = None
@@ -230,8 +233,9 @@ class Worker:
         stage is short of its batch, no more than the samples the step still needs. Unless `stepping`, no
         gradient work once the batch is complete: it waits for the step."""
         full = not stepping and not self.progress.finished and self.progress.room() == 0
+        held = stepping and self._forwards_wait()
         heads = [(q[0].arrived, name) for name, q in self._queues.items()
-                 if q and not (full and name == "backward")]
+                 if q and not (full and name == "backward") and not (held and name == "forward")]
         if not heads:
             return []
         _, name = min(heads)
@@ -251,6 +255,20 @@ class Worker:
                 rest.append(t)
         queue.extendleft(reversed(rest))
         return batch
+
+    def _forwards_wait(self) -> bool:
+        """Whether the queued forwards wait for the step (``workers.forward_hold_s``): the replica already
+        holds the forwards of the rest of the current step's batch (cached, or their backwards queued), so a
+        forward now would be the next step's, its cached graph stale before its backward came. Never for longer
+        than the hold: a sample lost downstream must not keep the forwards waiting."""
+        q = self._queues["forward"]
+        if self.cache is None or not q or self.progress.finished or self.progress.own:
+            return False
+        if time.monotonic() - q[0].arrived > self.forward_hold_s:
+            return False
+        room = self.progress.room()
+        pending = self.cache.samples() + sum(t.size for t in self._queues["backward"])
+        return 0 < room <= pending
 
     # -- the loop -----------------------------------------------------------------------------
 

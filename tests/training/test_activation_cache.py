@@ -6,6 +6,7 @@ process's memory, stay within workers.activation_cache_mb (a dropped entry frees
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -216,3 +217,34 @@ def test_an_entry_is_served_only_to_a_batch_holding_all_its_requests():
     cache.store(Entry([b"a", b"a"], [1, 1], out[:2], None, 0, 100))  # the same sample twice
     hits, misses = cache.take([b"a", b"a"], 0)
     assert [pos for _, pos in hits] == [[0, 1]] and misses == []
+
+
+def test_a_forward_of_the_next_steps_batch_waits_for_the_step_and_its_backward_then_hits():
+    run = small_run("workers.activation_cache_mb=64", "workers.forward_hold_s=30")  # batch 4
+    head = Worker(run, 0)
+    now, later = samples(4, seed=1).split(2), samples(2, seed=2)
+    wires = [r["wire"] for r in drain(head, [submit(head, "forward", ids) for ids in now])]
+    assert head.cache.samples() == 4  # the rest of the step's batch is forwarded already
+    early = submit(head, "forward", later)
+    for _ in range(5):
+        head.run_once(0.01)
+    assert not early.done and head.stats.forward_samples == 4  # held: computed now, its graph would go stale
+    grads = [torch.randn_like(w) for w in wires]
+    boxes = [submit(head, "backward", ids, None, g) for ids, g in zip(now, grads)]
+    drain(head, boxes + [early])  # the backwards complete the batch, the step comes, then the forward
+    assert head.progress.step == 1 and head.stats.forward_samples == 6
+    drain(head, [submit(head, "backward", later, None, torch.randn_like(early.result["wire"]))])
+    assert head.cache.stats.misses == 0 and head.cache.stats.hits == 3  # requests; its graph: the new weights
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 0.3])
+def test_the_hold_is_bounded_a_forward_whose_batch_never_completes_still_runs(hold_s):
+    """The backwards of the step's batch may never come (a sample lost downstream): the forward waits at
+    most workers.forward_hold_s (0: never)."""
+    run = small_run("workers.activation_cache_mb=64", f"workers.forward_hold_s={hold_s}")
+    head = Worker(run, 0)
+    drain(head, [submit(head, "forward", ids) for ids in samples(4, seed=1).split(2)])
+    t0 = time.monotonic()
+    drain(head, [submit(head, "forward", samples(2, seed=2))])
+    waited = time.monotonic() - t0
+    assert hold_s <= waited < hold_s + 1.0 and head.progress.step == 0
