@@ -54,7 +54,8 @@ def main() -> None:
                   else ["data_parallel.method=none"])
         load_before = os.getloadavg()
         base = data + [f"training.max_steps={args.steps}", *method, "model.seq_len=64",
-                       "training.global_batch_size=8", "workers.max_microbatch=8", "workers.announce_period_s=1",
+                       "training.global_batch_size=8", "workers.max_microbatch=8", "trainers.microbatch=1",
+                       "workers.announce_period_s=1",
                        "trainers.discovery_period_s=2", "network.startup_timeout_s=90", *args.overrides]
         runs: dict[str, list[float]] = {"off": [], "on": []}
         averaging: dict[str, list[dict]] = {"off": [], "on": []}

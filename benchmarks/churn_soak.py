@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "manifests" / "local-cpu.yaml"
 SETTINGS = [
-    "model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8", "training.max_steps=1000000",
+    "model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8", "trainers.microbatch=1",
+    "training.max_steps=1000000",
     "training.schedule.kind=constant", "training.schedule.warmup_steps=5",
     "workers.announce_period_s=1", "trainers.discovery_period_s=2", "trainers.request_timeout_s=30",
     "network.startup_timeout_s=150", "local.workers_per_stage=3", "local.trainers=1", "trainers.count=1",

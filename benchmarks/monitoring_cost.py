@@ -42,7 +42,8 @@ def main() -> None:
         tmp = Path(tmp)
         data = sample_shards(tmp, MANIFEST)
         base = data + [f"training.max_steps={args.steps}", "data_parallel.method=none", "model.seq_len=64",
-                       "training.global_batch_size=8", "workers.max_microbatch=8", "workers.announce_period_s=1",
+                       "training.global_batch_size=8", "workers.max_microbatch=8", "trainers.microbatch=1",
+                       "workers.announce_period_s=1",
                        "trainers.discovery_period_s=2", "network.startup_timeout_s=90", *args.overrides]
         on = ["monitoring.enabled=true", f"monitoring.interval_s={args.interval:g}",
               f"monitoring.scrape_interval_s={args.interval:g}"]

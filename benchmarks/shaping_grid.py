@@ -44,6 +44,7 @@ def base_settings(args, data: list[str], run_dir: Path) -> list[str]:
         "model.family=surrogate", "model.ssn.rank=null", f"model.n_layers={args.stages}", "model.d_model=64",
         "model.n_heads=4", "model.n_kv_heads=null", f"model.surrogate.dummy_params={args.dummy_params}",
         "model.seq_len=64", f"stages=[{stages}]", "training.global_batch_size=8", "workers.max_microbatch=8",
+        "trainers.microbatch=1",
         f"training.max_steps={args.steps}", "training.schedule.warmup_steps=2", "workers.announce_period_s=1",
         "trainers.discovery_period_s=2", "trainers.request_timeout_s=30", "network.startup_timeout_s=150",
         "local.workers_per_stage=2", "local.trainers=1", "trainers.count=1", "local.max_restarts=0",

@@ -4,9 +4,10 @@ centralized baseline's efficiency, over the internet).
 
 Two shapes, each trained for the same steps of the same global batch on the same generated sample corpus:
 ``manifests/local-cpu.yaml`` (the tiny demo model, where a request's fixed cost dominates) and
-``manifests/bench-cpu.yaml`` (d_model 256, compute-bound). Per shape and repeat, central runs once per
-torch thread count 1..N (N = this machine's cores, the cores the swarm's processes share) and the best
-of those counts is its equal-hardware figure; then the swarm runs. ``ratio`` is the median over repeats
+``manifests/bench-cpu.yaml`` (d_model 256, compute-bound), each as shipped (its trainers' request size and
+requests in flight; ``--microbatch``/``--in-flight``/``--set`` override them). Per shape and repeat, central
+runs once per torch thread count 1..N (N = this machine's cores, the cores the swarm's processes share) and
+the best of those counts is its equal-hardware figure; then the swarm runs. ``ratio`` is the median over repeats
 of swarm/central tokens/s of each pair (a machine's speed drifts over minutes, so each swarm run is
 compared with the central runs just before it); ``central_threads`` is the thread count of the median
 central run. ``tokens_per_s`` is each report's own (§5.4.0.1: tokens of the completed steps over the
@@ -269,16 +270,14 @@ def main(argv=None) -> int:
                     help="Manifest override for every run (repeatable), e.g. workers.activation_cache_mb=0.")
     ap.add_argument("--shape", dest="shapes", action="append", choices=SHAPES,
                     help="Manifest(s) to run (repeatable); default both.")
-    ap.add_argument("--microbatch", type=int, default=8,
-                    help="Samples per trainer request in the swarm (trainers.microbatch). The report sends 1 and "
-                         "lets workers coalesce; on these small models per-request overhead (libp2p, two p2pd hops, "
-                         "each costing CPU per call and per byte) outweighs compute, so the default is the "
-                         "centralized reference's own micro-batch (workers.max_microbatch, 8). Pass 1 for the "
-                         "report's request shape.")
-    ap.add_argument("--in-flight", type=int, default=1,
-                    help="Requests each trainer keeps in flight (trainers.in_flight). With 2 trainers, 8 x 1 keeps "
-                         "16 samples (one global batch) in flight, as 4 x 2 does; more in flight trains on staler "
-                         "weights.")
+    ap.add_argument("--microbatch", type=int, default=None,
+                    help="Samples per trainer request in the swarm (trainers.microbatch); default the manifest's "
+                         "(8 in both shapes: on these small models a request's fixed cost, libp2p and two p2pd "
+                         "hops, outweighs a sample's compute). Pass 1 for the report's request shape.")
+    ap.add_argument("--in-flight", type=int, default=None,
+                    help="Requests each trainer keeps in flight (trainers.in_flight); default the manifest's. "
+                         "Workers hold a forward of the next step's batch until their step "
+                         "(workers.forward_hold_s), so more in flight than a batch costs no recompute.")
     ap.add_argument("--alt-set", dest="alt_sets", action="append", default=[],
                     help="A second swarm arm in every repeat with this override too (repeatable), reported under "
                          "`alt` against the same central runs, e.g. workers.activation_cache_mb=0.")
@@ -289,7 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=4000, help="Documents in the generated sample corpus.")
     ap.add_argument("--json", action="store_true", help="Print one JSON object on stdout.")
     args = ap.parse_args(argv)
-    overrides = [f"trainers.microbatch={args.microbatch}", f"trainers.in_flight={args.in_flight}"] + args.sets
+    overrides = ([f"trainers.microbatch={args.microbatch}"] if args.microbatch else []) + (
+        [f"trainers.in_flight={args.in_flight}"] if args.in_flight else []) + args.sets
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="swarm-vs-central-") as tmp:
         agoractl("data", "sample", "--out", f"{tmp}/sample", "--rows", str(args.rows), "--files", "2")
@@ -305,7 +305,8 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     m = result["machine"]
-    print(f"{' '.join(overrides)}; {m['cpus']} CPUs (load {m['load_avg_1m_before']} -> {m['load_avg_1m_after']}); "
+    print(f"{' '.join(overrides) or 'the manifests as shipped'}; {m['cpus']} CPUs "
+          f"(load {m['load_avg_1m_before']} -> {m['load_avg_1m_after']}); "
           f"central: best of {result['central_threads_tried']} threads")
     for name, r in shapes.items():
         print(f"\n{name}: {r['steps']} steps, {r['tokens']:,} tokens")

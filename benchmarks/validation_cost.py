@@ -183,7 +183,8 @@ def swarm(manifest: Path, overrides: list[str], repeats: int, steps: int) -> dic
         tmp = Path(tmp)
         data = sample_shards(tmp, manifest)
         base = data + [f"training.max_steps={steps}", "local.workers_per_stage=2", "model.seq_len=64",
-                       "training.global_batch_size=8", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
+                       "training.global_batch_size=8", "trainers.microbatch=1",
+                       "workers.announce_period_s=1", "trainers.discovery_period_s=2",
                        "network.startup_timeout_s=90", *overrides]
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for i in range(repeats):

@@ -453,6 +453,10 @@ def cross_field_errors(run: Run) -> list[tuple[str, str]]:
                     f"exceeds training.max_steps ({run.training.max_steps})"))
     if (run.training.until_step or 0) > run.training.max_steps:
         out.append(("training.until_step", f"exceeds training.max_steps ({run.training.max_steps})"))
+    batch = run.replica_batch or run.training.global_batch_size
+    if run.trainers.microbatch > batch:
+        out.append(("trainers.microbatch", f"must be at most a step's batch ({batch} samples): a larger request "
+                                           f"overshoots it; got {run.trainers.microbatch}"))
     replicas = run.data_parallel.fgdiloco.replicas
     if replicas is not None and run.training.global_batch_size % replicas:
         out.append(("data_parallel.fgdiloco.replicas", f"must divide training.global_batch_size "

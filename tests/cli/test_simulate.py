@@ -13,7 +13,7 @@ MANIFEST = str(MANIFESTS / "local-cpu.yaml")
 TINY = ["--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
         "--set", "model.n_kv_heads=1", "--set", "model.d_ff=64", "--set", "model.seq_len=16",
         "--set", "model.ssn.rank=8", "--set", "stages=[{role: head, layers: 1}, {role: tail, layers: 1}]",
-        "--set", "local.threads_per_process=1"]
+        "--set", "local.threads_per_process=1", "--set", "trainers.microbatch=1"]
 
 
 BAD = [

@@ -27,7 +27,8 @@ from tests.conftest import MANIFESTS, cli_batch, private_shards
 
 MANIFEST = MANIFESTS / "local-cpu.yaml"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-TINY = ["training.global_batch_size=4", "training.max_steps=3", "training.schedule.warmup_steps=1"]
+TINY = ["training.global_batch_size=4", "trainers.microbatch=1",
+        "training.max_steps=3", "training.schedule.warmup_steps=1"]
 
 
 def agoractl(*args: str, check: int | None = 0, env: dict | None = None) -> subprocess.CompletedProcess:

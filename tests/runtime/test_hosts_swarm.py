@@ -38,7 +38,8 @@ CHURN_EVERY_S, CHURN_FOR_S = 20, 120
 JOIN_BOUND_S = 60
 """A newcomer started this long before the run's end must have joined by then (a join took 10-15 s here)."""
 SETTINGS = [
-    "model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8", f"training.max_steps={MAX_STEPS}",
+    "model.seq_len=64", "training.global_batch_size=8", "trainers.microbatch=1",
+    "workers.max_microbatch=8", f"training.max_steps={MAX_STEPS}",
     "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
     "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=150",
     "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "local.max_restarts=0",

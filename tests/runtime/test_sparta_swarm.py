@@ -39,7 +39,8 @@ pytestmark = pytest.mark.swarm
 MANIFEST = MANIFESTS / "local-cpu.yaml"
 EVERY = 5
 SETTINGS = [
-    "model.seq_len=64", "training.global_batch_size=8", "workers.max_microbatch=8", "training.max_steps=100000",
+    "model.seq_len=64", "training.global_batch_size=8", "trainers.microbatch=1",
+    "workers.max_microbatch=8", "training.max_steps=100000",
     "training.schedule.warmup_steps=2", "workers.announce_period_s=1", "trainers.discovery_period_s=2",
     "trainers.ban_s=60", "trainers.request_timeout_s=20", "network.startup_timeout_s=90",
     "stages=[{role: head, layers: 2}, {role: tail, layers: 2}]",

@@ -30,7 +30,7 @@ from tests.conftest import MANIFESTS
 # Real worker processes, but no trainers and no swarm: light enough to run beside the swarm tests.
 pytestmark = [pytest.mark.swarm, pytest.mark.xdist_group("workers")]
 MANIFEST = MANIFESTS / "local-cpu.yaml"
-TINY = ["model.seq_len=64", "stages=[{role: head, layers: 2}, {role: tail, layers: 2}]",
+TINY = ["model.seq_len=64", "trainers.microbatch=1", "stages=[{role: head, layers: 2}, {role: tail, layers: 2}]",
         "workers.announce_period_s=1", "network.startup_timeout_s=90", "data_parallel.method=sparta",
         "data_parallel.sparta.fraction=0.25", "data_parallel.sparta.every_steps=1",
         "data_parallel.sparta.matchmaking_timeout_s=5", "data_parallel.sparta.chunk_timeout_s=2"]

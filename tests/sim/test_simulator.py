@@ -18,7 +18,7 @@ from tests.conftest import MANIFESTS
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64",
         "model.seq_len=16", "model.ssn.rank=8", "stages=[{role: head, layers: 1}, {role: tail, layers: 1}]",
-        "training.global_batch_size=4", "training.max_steps=20"]
+        "training.global_batch_size=4", "trainers.microbatch=1", "training.max_steps=20"]
 
 
 def tiny_run(*extra):

@@ -20,7 +20,7 @@ def _run(tmp_path, sample_shards, store: str):
         f"data.source={sample_shards / 'sample'}/*.parquet", f"data.output={tmp_path / store / 'shards'}",
         "data.num_shards=4"]
     return load_manifest(MANIFESTS / "local-cpu.yaml", [
-        *data, "model.seq_len=32", "training.global_batch_size=4", "workers.max_microbatch=4",
+        *data, "model.seq_len=32", "training.global_batch_size=4", "workers.max_microbatch=4", "trainers.microbatch=1",
         f"training.max_steps={2 * N}", "training.schedule.warmup_steps=2", f"checkpoints.every_steps={N}",
         f"checkpoints.store={tmp_path / store / 'store'}"])
 

@@ -72,7 +72,7 @@ def flat(worker):
 def test_worker_outer_step_equals_the_simulators(variant):
     KINDS[:] = list(variant_mixing(variant))
     run = load_manifest(MANIFESTS / "fgdiloco-local-cpu.yaml", [
-        "model.seq_len=16", "training.global_batch_size=4", "training.max_steps=100",
+        "model.seq_len=16", "training.global_batch_size=4", "trainers.microbatch=1", "training.max_steps=100",
         f"data_parallel.fgdiloco.variant={variant}", f"data_parallel.fgdiloco.inner_steps={H}"])
     group = InProcessGroup(2)
     workers = [Worker(run, 0) for _ in range(2)]

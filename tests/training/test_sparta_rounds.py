@@ -148,7 +148,7 @@ class Pending:
 
 def run_of(*values):
     return load_manifest(MANIFESTS / "local-cpu.yaml", [
-        "model.seq_len=16", "training.global_batch_size=4", "training.max_steps=1000",
+        "model.seq_len=16", "training.global_batch_size=4", "trainers.microbatch=1", "training.max_steps=1000",
         "data_parallel.method=sparta", "data_parallel.sparta.fraction=0.25",
         f"data_parallel.sparta.every_steps={EVERY}", "checkpoints.snapshots_every_steps=0",
         "checkpoints.every_steps=0", *values])

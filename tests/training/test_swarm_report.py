@@ -14,6 +14,7 @@ from tests.conftest import MANIFESTS
 @pytest.fixture
 def run():
     return load_manifest(MANIFESTS / "local-cpu.yaml", ["training.max_steps=3", "training.schedule.warmup_steps=1", "training.global_batch_size=4",
+                                                        "trainers.microbatch=1",
                                                         "model.seq_len=32", "data_parallel.method=none"])
 
 

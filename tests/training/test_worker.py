@@ -17,7 +17,7 @@ from agoractl.algorithms.progress import PeerProgress
 from agoractl.training.worker import Task, Worker
 from tests.conftest import MANIFESTS
 
-SMALL = ["model.seq_len=16", "training.global_batch_size=4", "workers.max_microbatch=8",
+SMALL = ["model.seq_len=16", "training.global_batch_size=4", "trainers.microbatch=1", "workers.max_microbatch=8",
          "training.max_steps=5", "training.schedule.warmup_steps=1"]
 
 
