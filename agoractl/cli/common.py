@@ -4,6 +4,7 @@ of ``--stage``, ``--role`` and ``--device`` (each in one place), and manifest lo
 
 from __future__ import annotations
 
+import os
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -105,3 +106,15 @@ def check_device(device: str, allow_auto: bool = False) -> str:
         return device
     raise UsageError(f"--device {device}: not a device name",
                      hint=f"use {'auto, ' if allow_auto else ''}cpu, cuda or cuda:N")
+
+
+def require_cuda(device: str) -> None:
+    """A usage error when `device` is a CUDA device and this machine has none. Asks NVML, not the CUDA driver:
+    ``launch swarm`` forks its nodes afterwards, and a CUDA context made before a fork is useless in the child."""
+    if not device.startswith("cuda"):
+        return
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu")

@@ -15,7 +15,8 @@ from rich.table import Table
 
 from agoractl import logs
 
-from agoractl.cli.common import JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load
+from agoractl.cli.common import (JsonOpt, ManifestArg, Role, RoleOpt, SetOpt, check_device, check_stage, load,
+                                 require_cuda)
 from agoractl.cli.launch import FreshOpt, ForceOpt, ResumeStepOpt, UntilStepOpt, app, check_resume_options
 from agoractl.cli.launch_authorizer import loopback_authorizer
 from agoractl.cli.output import emit, note, stderr, stdout
@@ -92,6 +93,7 @@ def worker(
     from agoractl.runtime import node
 
     node.require_peers(initial_peers or run.network.initial_peers, "worker")
+    require_cuda(device)
     from agoractl.runtime.worker_node import WorkerNode
 
     _threads(run)
@@ -179,7 +181,10 @@ def _trainer_exit(index: int, reason: str) -> None:
 @app.command(epilog="Examples:\n\n  agoractl launch swarm manifests/local-cpu.yaml\n\n"
                     "  agoractl launch swarm manifests/local-cpu.yaml --set local.workers_per_stage=2 --json")
 def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt = None, fresh: FreshOpt = False,
-          force: ForceOpt = False, until_step: UntilStepOpt = None, as_json: JsonOpt = False) -> None:
+          force: ForceOpt = False, until_step: UntilStepOpt = None,
+          device: Annotated[str, typer.Option(help="Every worker's device: cpu, cuda or cuda:N (all of them on it; "
+                                                   "trainers hold no weights and stay on the CPU).")] = "cpu",
+          as_json: JsonOpt = False) -> None:
     """A whole run on this machine: a DHT seed, local.workers_per_stage workers per stage and local.trainers
     trainers, each its own process on loopback. A worker or trainer that exits is started again (up to
     local.max_restarts times); a run without a step for local.stall_timeout_s ends with exit code 3. Shows
@@ -195,7 +200,9 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
         set_ = [*(set_ or []), f"training.until_step={until_step}"]
     run = load(manifest, set_)
     check_resume_options(resume_step, fresh)
+    check_device(device)
     _check_store(run, resume_step, fresh, force)  # refusals before anything starts
+    require_cuda(device)
     if run.model.family == "llama" and run.model.ssn.rank is None and len(run.stages) > 1:
         note("note: model.ssn.rank is null: d-wide activations cross every stage boundary")
 
@@ -233,7 +240,7 @@ def swarm(manifest: ManifestArg, set_: SetOpt = None, resume_step: ResumeStepOpt
     with _Progress(run, live=sys.stderr.isatty() and not as_json) as progress:
         try:
             report = Swarm(run, manifest, set_ or [], on_progress=progress.update, on_note=note,
-                           resume=(resume_step, fresh, force), utility=utility).run_swarm()
+                           resume=(resume_step, fresh, force), utility=utility, device=device).run_swarm()
         finally:
             if authorizer is not None:
                 authorizer.stop()

@@ -76,8 +76,11 @@ class Swarm:
     def __init__(self, run: Run, manifest: Path, overrides: list[str],
                  on_progress: Optional[Callable[[dict], None]] = None,
                  on_note: Callable[[str], None] = lambda message: None,
-                 resume: tuple[Optional[int], bool, bool] = (None, False, False), utility: Sequence[str] = ()):
+                 resume: tuple[Optional[int], bool, bool] = (None, False, False), utility: Sequence[str] = (),
+                 device: str = "cpu"):
         self.run, self.manifest, self.overrides = run, Path(manifest).resolve(), list(overrides)
+        self.device = device
+        """Every worker's torch device (``launch worker --device``)."""
         self.utility = tuple(utility)
         """Utility nodes (``launch KIND``) started right after the seed, e.g. ``health``; stopped after the
         trainers, before the workers (so the Health Monitor reads the trainers' final reports)."""
@@ -164,7 +167,7 @@ class Swarm:
         stats = self.dir / "nodes" / f"{name}.json"
         role = churn.worker_role(name, self.run.local.workers_per_stage, self.run.local.hosts.contributors_per_stage)
         n = self._spawn(name, "worker", self._argv("worker", "--stage", stage, "--stats", str(stats), "--role", role,
-                                                   *self._peer_args()), stage=stage, role=role)
+                                                   "--device", self.device, *self._peer_args()), stage=stage, role=role)
         n.stats_path = stats
         return n
 

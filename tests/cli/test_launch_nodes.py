@@ -34,6 +34,9 @@ def launches(tmp_path_factory):
         "swarm-no-data": ["launch", "swarm", MANIFEST, "--set", f"data.output={d}/none", "--set",
                           f"local.run_dir={d}/run"],
         "swarm-trainers": ["launch", "swarm", MANIFEST, "--set", "local.trainers=3", "--set", "trainers.count=2"],
+        "swarm-device": ["launch", "swarm", MANIFEST, "--device", "gpu"],
+        "swarm-cuda": ["launch", "swarm", MANIFEST, "--device", "cuda", "--set", f"local.run_dir={d}/run-cuda"],
+        "swarm-microbatch": ["launch", "swarm", MANIFEST, "--set", "trainers.microbatch=32"],
     }
     return {**dict(zip(runs, cli_batch(runs.values(), cwd=d))), "dir": d}
 
@@ -70,6 +73,16 @@ def test_swarm_checks_the_data_before_starting_anything(launches):
     assert not (tmp_path / "run" / "swarm" / "logs").exists() or not any((tmp_path / "run" / "swarm" / "logs").iterdir())
     proc = exits(launches["swarm-trainers"], 2)
     assert "local.trainers" in one_error_line(proc.stderr)
+
+
+def test_swarm_checks_the_device_and_the_request_size_before_starting_anything(launches):
+    proc = exits(launches["swarm-device"], 2)
+    assert "--device gpu" in one_error_line(proc.stderr) and "cuda:N" in proc.stderr
+    proc = exits(launches["swarm-cuda"], 2)  # this machine has no CUDA: no worker is started to find out
+    assert "CUDA is not available" in one_error_line(proc.stderr) and "--device cpu" in proc.stderr
+    assert not (launches["dir"] / "run-cuda" / "swarm" / "logs").exists()
+    proc = exits(launches["swarm-microbatch"], 2)  # a request larger than a step's batch would overshoot it
+    assert "trainers.microbatch: must be at most a step's batch (16 samples)" in proc.stderr and "got 32" in proc.stderr
 
 
 def _report(stage_extra: dict) -> dict:
