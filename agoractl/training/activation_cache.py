@@ -5,11 +5,13 @@ recomputes; keeping activations is what a pinned worker can do instead).
 A forward batch (one coalesced compute pass) is stored as one :class:`Entry`: its output with its graph,
 its input (whose ``.grad`` the backward fills) and the row count of each request. Requests are found
 again by content: the key of a request is a digest of its token ids and input wire tensor, which the
-trainer sends again with the backward. An entry serves a backward batch only when that batch holds
-every one of its requests and the stage's parameters are unchanged since the forward (their autograd
-version counters: an optimizer step, an averaging round or a checkpoint load all bump them); otherwise
-the entry is dropped and those requests take the stateless recompute, so results never depend on
-whether the cache held them. A backward served elsewhere (another replica) simply never comes back.
+trainer sends again with the backward. An entry serves the backward of each of its requests while the
+stage's parameters are unchanged since the forward (their autograd version counters: an optimizer step, an
+averaging round or a checkpoint load all bump them); otherwise it is dropped and those requests take the
+stateless recompute, so results never depend on whether the cache held them. Requests coalesced into one
+forward may come back in different backward batches: each runs the backward through the shared graph with a
+zero gradient on the other requests' rows (samples never mix within a stage), and the graph is kept until the
+last of them has run. A backward served elsewhere (another replica) simply never comes back.
 
 Memory is bounded by ``workers.activation_cache_mb``: an entry's size is the bytes of the distinct
 storages autograd saved during its forward (parameters excluded) plus its input and output; storing an
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
@@ -55,6 +57,11 @@ class Entry:
     input: Optional[torch.Tensor]
     version: int
     nbytes: int = 0
+    served: list[bool] = field(default_factory=list)
+    """Per request: its backward ran on this graph already (the graph is kept until every request's has)."""
+
+    def __post_init__(self):
+        self.served = self.served or [False] * len(self.keys)
 
 
 @dataclass
@@ -134,8 +141,8 @@ class ActivationCache:
         return True
 
     def samples(self) -> int:
-        """Rows (samples) of every kept entry: forwards whose backwards have not come yet."""
-        return sum(sum(e.sizes) for e in self.entries.values())
+        """Samples of the kept entries whose backwards have not come yet."""
+        return sum(n for e in self.entries.values() for n, done in zip(e.sizes, e.served) if not done)
 
     def summary(self) -> dict:
         st = self.stats
@@ -158,33 +165,37 @@ class ActivationCache:
         for eid in list(self.entries):
             self.drop(eid)
 
-    def take(self, keys: list[bytes], version: int) -> tuple[list[tuple[Entry, list[int]]], list[int]]:
-        """For a backward batch's request keys: ([(entry, positions in `keys` of its requests, in the
-        entry's row order)] for entries the batch covers whole, [positions to recompute]). Every entry
-        the batch touched leaves the cache."""
+    def take(self, keys: list[bytes], version: int) -> tuple[list[tuple[Entry, list[Optional[int]]]], list[int]]:
+        """For a backward batch's request keys: ([(entry, per request of the entry in its row order: the position
+        in `keys` of the request served now, or None)] for the entries the batch draws on, [positions to
+        recompute]). An entry leaves the cache once each of its requests has been served; until then the
+        caller keeps its graph (``retain_graph``) for the rest. An entry of other weights is dropped unused."""
         claimed: dict[int, list[Optional[int]]] = {}
         misses: list[int] = []
         for pos, k in enumerate(keys):
             placed = False
             for eid in self.by_key.get(k, []):
-                slots = claimed.setdefault(eid, [None] * len(self.entries[eid].keys))
-                free = [i for i, ek in enumerate(self.entries[eid].keys) if ek == k and slots[i] is None]
+                entry = self.entries[eid]
+                slots = claimed.setdefault(eid, [None] * len(entry.keys))
+                free = [i for i, ek in enumerate(entry.keys) if ek == k and slots[i] is None and not entry.served[i]]
                 if free:
                     slots[free[0]] = pos
                     placed = True
                     break
             if not placed:
                 misses.append(pos)
-        hits: list[tuple[Entry, list[int]]] = []
+        hits: list[tuple[Entry, list[Optional[int]]]] = []
         for eid, slots in claimed.items():
             entry = self.entries[eid]
-            if all(s is not None for s in slots) and entry.version == version:
-                hits.append((entry, slots))
-            else:
-                if entry.version != version:
-                    self.stats.stale += 1
+            if entry.version != version:
+                self.stats.stale += 1
                 misses.extend(s for s in slots if s is not None)
-            self.drop(eid)
-        self.stats.hits += sum(len(s) for _, s in hits)
+                self.drop(eid)
+                continue
+            hits.append((entry, slots))
+            entry.served = [done or s is not None for done, s in zip(entry.served, slots)]
+            if all(entry.served):
+                self.drop(eid)
+        self.stats.hits += sum(s is not None for _, slots in hits for s in slots)
         self.stats.misses += len(misses)
         return hits, sorted(misses)

@@ -405,24 +405,32 @@ class Worker:
             if not hits and not misses:
                 return results
         grads = [from_wire(t.grad, self.device) for t in batch]
-        outputs, parts = [], []  # (stage input, positions in `batch`) of each graph the backward runs through
-        for entry, positions in hits:
+        outputs, parts = [], []  # per graph the backward runs through: its stage input, per request of its rows
+        # the position in `batch` served now (None: another batch's request, its rows get a zero gradient)
+        for entry, slots in hits:
             outputs.append(entry.output)
-            parts.append((entry.input, positions))
+            parts.append((entry.input, slots, entry.sizes))
         if misses:
             wire, ids = self._inputs([batch[p] for p in misses], grad=True)
             outputs.append(self.module(wire, ids[:, :-1]))  # the recompute: the stateless path
-            parts.append((wire, misses))
-        out_grads = [torch.cat([grads[p] for p in positions]) for _, positions in parts]
-        for g, out in zip(out_grads, outputs):
-            if g.shape != out.shape:
-                raise ValueError(f"output gradient shape {tuple(g.shape)} does not match the output "
+            parts.append((wire, misses, [sizes[p] for p in misses]))
+        out_grads = []
+        for out, (_, slots, rows) in zip(outputs, parts):
+            if sum(rows) != out.shape[0] or any(p is not None and grads[p].shape[1:] != out.shape[1:] for p in slots):
+                raise ValueError(f"output gradient shapes {[tuple(grads[p].shape) for p in slots if p is not None]} "
+                                 f"do not match the output {tuple(out.shape)}")
+            out_grads.append(torch.cat([grads[p] if p is not None else out.new_zeros((n, *out.shape[1:]))
+                                        for p, n in zip(slots, rows)]))
+            if out_grads[-1].shape != out.shape:
+                raise ValueError(f"output gradient shape {tuple(out_grads[-1].shape)} does not match the output "
                                  f"{tuple(out.shape)}")
-        torch.autograd.backward(outputs, out_grads)
-        for wire, positions in parts:
+        kept = any(not all(entry.served) for entry, _ in hits)  # a graph other requests still need
+        torch.autograd.backward(outputs, out_grads, retain_graph=kept)
+        for wire, slots, rows in parts:
             if wire is not None:
-                for p, g in zip(positions, self._split(wire.grad, [sizes[p] for p in positions])):
-                    results[p] = {"grad": g}
+                for p, g in zip(slots, wire.grad.split(rows)):
+                    if p is not None:  # a shared graph's rows of other requests hold their own (earlier) grads
+                        results[p] = {"grad": to_wire(g, self.wire_dtype)}
         return results
 
     def _refused_inputs(self, task: Task) -> bool:

@@ -206,17 +206,43 @@ def test_the_accounting_stays_within_the_bound_and_counts_the_saved_activations(
     assert body.cache.stats.peak_bytes <= body.cache.limit
 
 
-def test_an_entry_is_served_only_to_a_batch_holding_all_its_requests():
+def test_an_entry_serves_each_of_its_requests_once_and_leaves_with_the_last():
     cache = ActivationCache(1 << 20)
     out = torch.zeros(3, 1)
     cache.store(Entry([b"a", b"b", b"c"], [1, 1, 1], out, None, 0, 100))
     cache.store(Entry([b"d"], [1], out[:1], None, 0, 100))
     hits, misses = cache.take([b"d", b"c", b"x"], 0)
-    assert [(e.keys, pos) for e, pos in hits] == [([b"d"], [0])]
-    assert misses == [1, 2] and len(cache) == 0 and cache.used == 0  # a partial entry is dropped
+    assert [(e.keys, slots) for e, slots in hits] == [([b"d"], [0]), ([b"a", b"b", b"c"], [None, None, 1])]
+    assert misses == [2] and len(cache) == 1 and cache.samples() == 2  # a, b still to come
+    hits, misses = cache.take([b"c", b"b", b"a"], 0)  # c was served already: it recomputes
+    assert [slots for _, slots in hits] == [[2, 1, None]] and misses == [0]
+    assert len(cache) == 0 and cache.used == 0 and cache.stats.hits == 4 and cache.stats.misses == 2
     cache.store(Entry([b"a", b"a"], [1, 1], out[:2], None, 0, 100))  # the same sample twice
     hits, misses = cache.take([b"a", b"a"], 0)
-    assert [pos for _, pos in hits] == [[0, 1]] and misses == []
+    assert [slots for _, slots in hits] == [[0, 1]] and misses == []
+    cache.store(Entry([b"e", b"f"], [1, 1], out[:2], None, 0, 100))
+    hits, misses = cache.take([b"e"], 1)  # other weights: dropped unused, the rest too
+    assert hits == [] and misses == [0] and len(cache) == 0 and cache.stats.stale == 1
+
+
+def test_requests_coalesced_into_one_forward_back_in_separate_backwards_run_on_its_graph_exactly():
+    """Two requests forwarded as one batch come back one at a time: each runs the backward through the shared
+    graph (zero gradient on the other's rows), and gradients and input gradients match the recompute's."""
+    grads = {}
+    for cache_mb in (0, 64):
+        run = small_run(f"workers.activation_cache_mb={cache_mb}")
+        body = Worker(run, 1)
+        reqs = list(samples(4, seed=5).split(2))
+        wires = [torch.randn(2, 16, run.model.ssn.rank, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+        outs = drain(body, [submit(body, "forward", ids, w) for ids, w in zip(reqs, wires)])  # one pass of 4
+        back = [drain(body, [submit(body, "backward", ids, w, o["wire"] * 0.1)])[0]["grad"]  # one at a time
+                for ids, w, o in zip(reqs, wires, outs)]
+        grads[cache_mb] = (back, [p.grad.clone() for p in body.params])
+        if cache_mb:
+            assert body.stats.batches["forward"] == 1 and body.cache.stats.hits == 2 and body.cache.stats.misses == 0
+            assert len(body.cache) == 0  # left with its last request
+    for a, b in zip(grads[0][0] + grads[0][1], grads[64][0] + grads[64][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_forward_of_the_next_steps_batch_waits_for_the_step_and_its_backward_then_hits():
