@@ -41,9 +41,9 @@ class Workers(Section):
     same samples skips the recompute; oldest evicted first. 0: stateless, every backward recomputes (§3.3.1.4).
     A backward that lands on another replica, or after the weights changed, recomputes either way."""
     forward_hold_s: float = Field(1.0, ge=0)
-    """Seconds at most a forward waits for its stage's step when it belongs to the next step's batch: this replica
-    already holds the forwards of the rest of the current one (cached, or their backwards queued), so computed now
-    its cached graph would be stale by the time its backward came, and the backward would recompute. 0: never wait.
+    """Seconds at most a forward waits for its stage's step when it belongs to the next step's batch: this replica's
+    cache already holds the forwards of the rest of the current one, so computed now its cached graph would be
+    stale by the time its backward came, and the backward would recompute. 0: never wait.
     Only with ``activation_cache_mb`` > 0 (without the cache every backward recomputes anyway)."""
     self_termination: SelfTermination = SelfTermination()
     self_feed: bool = False

@@ -6,7 +6,7 @@ oldest request and **coalesces** the queued requests of that kind (and shape) up
 The stateless path (§3.3.1.4): a backward recomputes the stage's forward to rebuild the autograd graph.
 With ``workers.activation_cache_mb`` > 0 the worker keeps its recent forwards' graphs
 (:mod:`agoractl.training.activation_cache`, bounded, oldest evicted) and a backward of the same samples
-uses them instead; evicted, partial, stale or unknown samples take the recompute. A forward that would be
+uses them instead; evicted, stale or unknown samples take the recompute. A forward that would be
 the next step's (the replica holds forwards for the rest of the current batch already) waits for the step,
 at most ``workers.forward_hold_s``, rather than keep a graph the step makes stale. The tail's fused
 ``forward_backward`` computes forward, loss and backward in one pass and saves that recompute.
@@ -257,8 +257,8 @@ class Worker:
         return batch
 
     def _forwards_wait(self) -> bool:
-        """Whether the queued forwards wait for the step (``workers.forward_hold_s``): the replica already
-        holds the forwards of the rest of the current step's batch (cached, or their backwards queued), so a
+        """Whether the queued forwards wait for the step (``workers.forward_hold_s``): the replica's cache
+        already holds the forwards of the rest of the current step's batch (their backwards not run yet), so a
         forward now would be the next step's, its cached graph stale before its backward came. Never for longer
         than the hold: a sample lost downstream must not keep the forwards waiting."""
         q = self._queues["forward"]
@@ -266,9 +266,7 @@ class Worker:
             return False
         if time.monotonic() - q[0].arrived > self.forward_hold_s:
             return False
-        room = self.progress.room()
-        pending = self.cache.samples() + sum(t.size for t in self._queues["backward"])
-        return 0 < room <= pending
+        return 0 < self.progress.room() <= self.cache.samples()
 
     # -- the loop -----------------------------------------------------------------------------
 
