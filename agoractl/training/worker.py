@@ -414,21 +414,19 @@ class Worker:
             parts.append((wire, misses, [sizes[p] for p in misses]))
         out_grads = []
         for out, (_, slots, rows) in zip(outputs, parts):
-            if sum(rows) != out.shape[0] or any(p is not None and grads[p].shape[1:] != out.shape[1:] for p in slots):
-                raise ValueError(f"output gradient shapes {[tuple(grads[p].shape) for p in slots if p is not None]} "
-                                 f"do not match the output {tuple(out.shape)}")
+            bad = [tuple(grads[p].shape) for p, n in zip(slots, rows)
+                   if p is not None and grads[p].shape != (n, *out.shape[1:])]
+            if bad:
+                raise ValueError(f"output gradient shapes {bad} do not match the output {tuple(out.shape)}")
             out_grads.append(torch.cat([grads[p] if p is not None else out.new_zeros((n, *out.shape[1:]))
                                         for p, n in zip(slots, rows)]))
-            if out_grads[-1].shape != out.shape:
-                raise ValueError(f"output gradient shape {tuple(out_grads[-1].shape)} does not match the output "
-                                 f"{tuple(out.shape)}")
         kept = any(not all(entry.served) for entry, _ in hits)  # a graph other requests still need
         torch.autograd.backward(outputs, out_grads, retain_graph=kept)
         for wire, slots, rows in parts:
             if wire is not None:
-                for p, g in zip(slots, wire.grad.split(rows)):
+                for p, g in zip(slots, self._split(wire.grad, rows)):
                     if p is not None:  # a shared graph's rows of other requests hold their own (earlier) grads
-                        results[p] = {"grad": to_wire(g, self.wire_dtype)}
+                        results[p] = {"grad": g}
         return results
 
     def _refused_inputs(self, task: Task) -> bool:
