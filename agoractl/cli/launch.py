@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load
+from agoractl.cli.common import JsonOpt, ManifestArg, SetOpt, check_device, load, require_cuda
 from agoractl.cli.output import emit, note, stdout
 from agoractl.data.index import read_index
 from agoractl.errors import UsageError
@@ -81,8 +81,7 @@ def central(
     from agoractl.training.report import write_report
 
     dev = pick_device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu")
+    require_cuda(device if dev.type == "cuda" else "cpu")
     torch.set_num_threads(threads or run.local.threads_per_process)
     # Open the stream before announcing anything: a missing shard index is the first line printed.
     samples = checkpoints.skip(run_sequences(run, wrap=wrap))
