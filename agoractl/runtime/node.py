@@ -138,18 +138,27 @@ def write_stats(path: Optional[str], data: dict[str, Any]) -> None:
         storage.write_bytes_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
 
 
+_CHILD_CPU: dict[tuple[int, float], tuple[str, float]] = {}
+"""(pid, creation time) -> (component, CPU seconds last read) of every child :func:`cpu_seconds` has seen: a
+child that exited keeps its last reading, so a component's count never falls between two calls."""
+
+
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) used so far by this node's processes: the node itself, its hivemind
-    DHT process and its p2pd daemon(s) — where a node's time goes, for profiles."""
+    DHT process and its p2pd daemon(s) — where a node's time goes, for profiles. Children that exited since
+    an earlier call count with their last reading."""
     import psutil
 
     me = psutil.Process()
     out = {"node": _cpu(me), "dht": 0.0, "p2pd": 0.0}
     for child in me.children(recursive=True):
         try:
-            out["p2pd" if child.name().startswith("p2pd") else "dht"] += _cpu(child)
+            _CHILD_CPU[(child.pid, child.create_time())] = (
+                "p2pd" if child.name().startswith("p2pd") else "dht", _cpu(child))
         except psutil.Error:
             pass
+    for kind, cpu in _CHILD_CPU.values():
+        out[kind] += cpu
     return {k: round(v, 3) for k, v in out.items()}
 
 
