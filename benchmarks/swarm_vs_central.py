@@ -18,7 +18,10 @@ training time, start-up excluded on both sides).
 seconds are read from ``/proc`` every 0.2 s for every process of each run's process groups (the swarm's
 launcher, workers, trainers, their DHT processes and p2pd daemons; the central process), and counted over
 the training window only (from the first dispatch to the last stage's last step; central: its training
-loop), the window tokens/s counts. The swarm's profile (its nodes' own accounts) says where its CPU goes.
+loop), the window tokens/s counts. The swarm's profile (its nodes' own accounts) says where its CPU goes; each
+repeat also runs the same workers' compute in one process on one thread (``benchmarks/worker_inprocess.py``,
+just before the swarm: this machine's speed drifts), and ``crowding_ratio`` is the swarm's compute CPU per sample
+over that: what sharing the cores with the other nodes and daemons costs the compute itself.
 
     python benchmarks/swarm_vs_central.py                 # a table per shape
     python benchmarks/swarm_vs_central.py --json          # {"shapes": {"local-cpu.yaml": {...}, ...}}
@@ -175,6 +178,18 @@ def swarm_profile(report: dict) -> dict:
     }
 
 
+def in_process(manifest: Path, overrides: list[str], steps: int = 2) -> dict:
+    """The same workers' compute in one process on one thread, just before the swarm runs
+    (:mod:`benchmarks.worker_inprocess`): what the swarm's compute would cost without the crowding."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "worker_inprocess.py"), str(manifest),
+                           *[a for s in overrides for a in ("--set", s)], "--steps", str(steps), "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"worker_inprocess.py failed with exit code {proc.returncode}")
+    return json.loads(proc.stdout)
+
+
 def alt_arm(sets: list[str], central: list[dict], frugal: list[dict], runs: list[dict]) -> dict:
     """The second swarm arm (--alt-set) against the same central runs."""
     a = median_run(runs)
@@ -204,6 +219,7 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
             + overrides for a in ("--set", s)] + ["--fresh", "--force"]
     threads = list(range(1, (os.cpu_count() or 1) + 1)) if args.central_threads is None else [args.central_threads]
     central, swarm, frugal, alt = [], [], [], []  # per repeat: central's fastest and frugalest runs, the swarms'
+    alone = []  # per repeat: the workers' compute in one process (CPU ms per sample)
     alt_sets = [a for s in args.alt_sets for a in ("--set", s)]
     for i in range(args.repeats):
         tries = []
@@ -215,6 +231,9 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
                   f"{tokens_per_cpu_s(r):,.0f} tokens/CPU-s", file=sys.stderr, flush=True)
         central.append(max(tries, key=lambda r: r["tokens_per_s"]))
         frugal.append(max(tries, key=tokens_per_cpu_s))
+        alone.append(in_process(manifest, overrides)["compute_cpu_ms_per_sample"])
+        print(f"{name} workers' compute in one process, run {i + 1}: {alone[-1]} CPU ms per sample",
+              file=sys.stderr, flush=True)
         arms = [(swarm, "swarm", [])] + ([(alt, "swarm --alt-set", alt_sets)] if alt_sets else [])
         for runs, label, extra in arms if i % 2 == 0 else arms[::-1]:  # the arms' order alternates too
             # from the data's beginning, as central reads it: forget the claims ledger (cli_runs.unread)
@@ -226,6 +245,7 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
     ratios = [sw["tokens_per_s"] / ce["tokens_per_s"] for ce, sw in zip(central, swarm)]
     cpu_ratios = [tokens_per_cpu_s(sw) / tokens_per_cpu_s(ce) for ce, sw in zip(frugal, swarm)]
     f = sorted(frugal, key=tokens_per_cpu_s)[(len(frugal) - 1) // 2]
+    crowding = [swarm_profile(sw)["worker_compute_cpu_ms_per_sample"] / a for sw, a in zip(swarm, alone)]
     samples = max(1, s["samples_completed"])
     swarm_cpu = s["_cpu"].between(*window(s))
     central_cpu = c["_cpu"].between(*window(c))
@@ -248,12 +268,16 @@ def run_shape(name: str, tmp: str, args, overrides: list[str]) -> dict:
                      "swarm_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in swarm],
                      "swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in swarm],
                      "ratios": [round(r, 3) for r in ratios],
-                     "cpu_efficiency_ratios": [round(r, 3) for r in cpu_ratios]},
+                     "cpu_efficiency_ratios": [round(r, 3) for r in cpu_ratios],
+                     "worker_compute_in_process_ms_per_sample": alone,
+                     "crowding_ratios": [round(r, 3) for r in crowding]},
         "profile": {
             "central": {"elapsed_s": c["elapsed_s"], "cpu_s": round(central_cpu, 2),
                         "wall_ms_per_sample": round(c["elapsed_s"] / (c["steps"] * c["global_batch_size"]) * 1000, 2),
                         "cpu_ms_per_sample": round(central_cpu / (c["steps"] * c["global_batch_size"]) * 1000, 2)},
             "swarm": {**swarm_profile(s), "proc_cpu_s": round(swarm_cpu, 2),
+                      "worker_compute_in_process_ms_per_sample": statistics.median(alone),
+                      "crowding_ratio": round(statistics.median(crowding), 3),
                       "proc_cpu_ms_per_sample": round(swarm_cpu / samples * 1000, 2),
                       "wall_ms_per_sample": round(s["elapsed_s"] / samples * 1000, 2),
                       "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in s.get("workers", [])},
@@ -324,7 +348,10 @@ def main(argv=None) -> int:
               f"sample: {prof['cpu_ms_per_sample']}; mean coalesced: {prof['mean_coalesced']}; "
               f"peak RSS MB {prof['peak_rss_mb']}")
         print(f"CPU ms per sample: central {r['profile']['central']['cpu_ms_per_sample']}, "
-              f"swarm {prof['proc_cpu_ms_per_sample']}")
+              f"swarm {prof['proc_cpu_ms_per_sample']}; the workers' compute "
+              f"{prof['worker_compute_cpu_ms_per_sample']} "
+              f"against {prof['worker_compute_in_process_ms_per_sample']} in one process (crowding x"
+              f"{prof['crowding_ratio']}, {r['all_runs']['crowding_ratios']})")
         if "alt" in r:
             a = r["alt"]
             print(f"swarm with {' '.join(a['sets'])}: {a['swarm_tokens_per_s']:,.0f} tokens/s "
