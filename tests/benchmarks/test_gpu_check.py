@@ -3,10 +3,10 @@ FLOP count of a token against the dimensions of the shape it trains."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
+from tests.benchmarks import load_benchmark
 from tests.conftest import ROOT
 
 
@@ -20,10 +20,7 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2():
 
 
 def test_the_flops_of_a_token_are_six_per_weight_that_multiplies_plus_attention():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("gpu_check")
     d, layers, d_ff, kv, k, vocab, seq = 1024, 12, 2816, 512, 128, 257, 512
     # The SSN (report §3.4) writes to the residual stream in its rank-k subspace: o and w2 map to k, not d.
     per_layer = d * d + 2 * d * kv + d * k + 2 * d * d_ff + d_ff * k + 2 * d  # q; k, v; o; w1, w3; w2; norms

@@ -4,11 +4,11 @@ Real processes burning real CPU; no swarm."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
 
+from tests.benchmarks import load_benchmark
 from tests.conftest import ROOT
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
@@ -20,15 +20,8 @@ node.wait()
 """
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("swarm_vs_central", ROOT / "benchmarks/swarm_vs_central.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_group_cpu_counts_the_children_leading_their_own_groups():
-    bench = load_benchmark()
+    bench = load_benchmark("swarm_vs_central")
     start = time.time()
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], start_new_session=True)
     cpu = bench.GroupCPU(proc.pid, period=0.05)

@@ -4,20 +4,12 @@ activation cache as in the swarm."""
 
 from __future__ import annotations
 
-import importlib.util
-
+from tests.benchmarks import load_benchmark
 from tests.conftest import ROOT
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("worker_inprocess", ROOT / "benchmarks/worker_inprocess.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_it_feeds_each_stage_a_steps_requests_and_counts_their_compute():
-    bench = load_benchmark()
+    bench = load_benchmark("worker_inprocess")
     r = bench.measure(str(ROOT / "manifests/local-cpu.yaml"), ["trainers.microbatch=4"], steps=1)
     requests = 2 * 16 // 4  # the warm-up step and the measured one, 16 samples each, 4 per request
     assert r["steps_taken"] == [2, 2, 2] and r["samples"] == 16 and r["request_samples"] == 4
