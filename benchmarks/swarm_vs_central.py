@@ -204,6 +204,7 @@ def alt_arm(sets: list[str], central: list[dict], frugal: list[dict], runs: list
         "all_runs": {"swarm_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs],
                      "swarm_tokens_per_cpu_s": [round(tokens_per_cpu_s(r), 1) for r in runs]},
         "proc_cpu_ms_per_sample": round(a["_cpu"].between(*window(a)) / max(1, a["samples_completed"]) * 1000, 2),
+        "cpu_ms_per_sample": swarm_profile(a)["cpu_ms_per_sample"],  # by component, as the shipped arm's profile
         "peak_rss_mb": {w["stage"]: w.get("peak_rss_mb") for w in a.get("workers", [])},
     }
 

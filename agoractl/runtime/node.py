@@ -2,8 +2,8 @@
 parent watchdog, final stats.
 
 - :func:`start_dht` starts a hivemind DHT node from ``network.*`` (loopback by default) with the
-  manifest's generous p2pd start-up timeout, starts it again when no initial peer answered (a busy
-  seed), and turns failures into one-line errors.
+  manifest's generous p2pd start-up timeout and its daemon's Go settings (:func:`p2pd_environment`),
+  starts it again when no initial peer answered (a busy seed), and turns failures into one-line errors.
 - :func:`stop_on_signals`: SIGTERM and SIGINT set a stop event instead of killing the process, so a
   node finishes its current work, withdraws from the DHT and writes its stats.
 - :func:`watch_parent`: a node started by ``launch swarm`` gets ``AGORA_PARENT_PID``; if that process
@@ -43,6 +43,7 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
 
     from agoractl.runtime import admission
 
+    p2pd_environment(run)
     deadline = time.monotonic() + run.network.startup_timeout_s
     for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
         try:
@@ -69,6 +70,15 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
                                       "machine") from None
         else:
             return admission.guard(run, dht)  # admission on: every record carries and needs a credential
+
+
+def p2pd_environment(run: Run) -> None:
+    """Set the Go runtime's settings for the p2pd daemons this process starts from then on (hivemind passes
+    them a copy of ``os.environ``): ``network.p2pd_max_procs`` as GOMAXPROCS, ``network.p2pd_gc_percent`` as
+    GOGC; a null setting leaves the environment's own value."""
+    for name, value in (("GOMAXPROCS", run.network.p2pd_max_procs), ("GOGC", run.network.p2pd_gc_percent)):
+        if value is not None:
+            os.environ[name] = str(value)
 
 
 def require_peers(initial_peers: Sequence[str], what: str) -> list[str]:
