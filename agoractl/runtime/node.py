@@ -13,12 +13,13 @@ parent watchdog, final stats.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from agoractl import logs, storage
 from agoractl.errors import RuntimeFailure, UsageError
@@ -43,18 +44,19 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
 
     from agoractl.runtime import admission
 
-    p2pd_environment(run)
     deadline = time.monotonic() + run.network.startup_timeout_s
     for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
         try:
-            dht = hivemind.DHT(
-                initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
-                host_maddrs=list(run.network.host_maddrs), announce_maddrs=list(run.network.announce_maddrs) or None,
-                startup_timeout=run.network.startup_timeout_s, await_ready=True,
-                # The run's records are short-lived and always read fresh (latest=True): re-fetching cached
-                # values before they expire, and pushing found values onto other nodes, only doubles traffic.
-                cache_refresh_before_expiry=0, cache_nearest=0, num_replicas=DHT_REPLICAS,
-            )
+            with p2pd_environment(run):  # the DHT process starts the daemon before the constructor returns
+                dht = hivemind.DHT(
+                    initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
+                    host_maddrs=list(run.network.host_maddrs),
+                    announce_maddrs=list(run.network.announce_maddrs) or None,
+                    startup_timeout=run.network.startup_timeout_s, await_ready=True,
+                    # The run's records are short-lived and always read fresh (latest=True): re-fetching cached
+                    # values before they expire, and pushing found values onto other nodes, only doubles traffic.
+                    cache_refresh_before_expiry=0, cache_nearest=0, num_replicas=DHT_REPLICAS,
+                )
         except Exception as e:  # p2pd start-up, a bad multiaddr, or no initial peer reachable
             unreached = initial_peers and any(m in str(e) for m in UNREACHED)
             pause = 0.5 * 2.0 ** (attempt - 1)
@@ -72,13 +74,25 @@ def start_dht(run: Run, initial_peers: Sequence[str] = (), client_mode: bool = F
             return admission.guard(run, dht)  # admission on: every record carries and needs a credential
 
 
-def p2pd_environment(run: Run) -> None:
-    """Set the Go runtime's settings for the p2pd daemons this process starts from then on (hivemind passes
-    them a copy of ``os.environ``): ``network.p2pd_max_procs`` as GOMAXPROCS, ``network.p2pd_gc_percent`` as
-    GOGC; a null setting leaves the environment's own value."""
+@contextlib.contextmanager
+def p2pd_environment(run: Run) -> Iterator[None]:
+    """The Go runtime's settings for the p2pd daemon started within: ``network.p2pd_max_procs`` as GOMAXPROCS,
+    ``network.p2pd_gc_percent`` as GOGC (hivemind gives the daemon a copy of ``os.environ``); a null setting
+    leaves the environment's own value. The environment is restored after, so that other programs this process
+    starts (a test's peers, say) do not inherit them."""
+    saved: dict[str, Optional[str]] = {}
     for name, value in (("GOMAXPROCS", run.network.p2pd_max_procs), ("GOGC", run.network.p2pd_gc_percent)):
         if value is not None:
+            saved[name] = os.environ.get(name)
             os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 def require_peers(initial_peers: Sequence[str], what: str) -> list[str]:

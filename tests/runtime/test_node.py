@@ -33,9 +33,9 @@ def test_a_child_that_exited_keeps_its_cpu_seconds():
 
 def test_p2pd_runs_with_the_manifests_go_settings(monkeypatch):
     """The daemon a DHT node starts gets network.p2pd_max_procs as GOMAXPROCS and p2pd_gc_percent as GOGC,
-    whatever the environment said."""
-    monkeypatch.setenv("GOMAXPROCS", "7")  # restored after the test, like GOGC
-    monkeypatch.setenv("GOGC", "100")
+    whatever the environment said; the process's own environment is left as it was."""
+    monkeypatch.setenv("GOMAXPROCS", "7")
+    monkeypatch.delenv("GOGC", raising=False)
     dht = node.start_dht(Run(network={"p2pd_max_procs": 1, "p2pd_gc_percent": 250}))
     try:
         daemons = [p for p in psutil.Process(dht.pid).children(recursive=True) if p.name().startswith("p2pd")]
@@ -44,15 +44,17 @@ def test_p2pd_runs_with_the_manifests_go_settings(monkeypatch):
         assert (env.get("GOMAXPROCS"), env.get("GOGC")) == ("1", "250")
     finally:
         node.shutdown_dht(dht)
+    assert os.environ["GOMAXPROCS"] == "7" and "GOGC" not in os.environ
 
 
 def test_a_null_go_setting_leaves_the_environments_value(monkeypatch):
     monkeypatch.setenv("GOMAXPROCS", "3")
     monkeypatch.delenv("GOGC", raising=False)
-    node.p2pd_environment(Run(network={"p2pd_max_procs": None, "p2pd_gc_percent": None}))
+    with node.p2pd_environment(Run(network={"p2pd_max_procs": None, "p2pd_gc_percent": None})):
+        assert os.environ["GOMAXPROCS"] == "3" and "GOGC" not in os.environ
+    with node.p2pd_environment(Run()):  # the defaults: Go's thread count, collections 4 times rarer
+        assert (os.environ["GOMAXPROCS"], os.environ["GOGC"]) == ("3", "400")
     assert os.environ["GOMAXPROCS"] == "3" and "GOGC" not in os.environ
-    node.p2pd_environment(Run())  # the defaults
-    assert (os.environ["GOMAXPROCS"], os.environ["GOGC"]) == ("1", "400")
 
 
 def test_go_settings_must_be_positive():
