@@ -52,7 +52,7 @@ def test_a_null_go_setting_leaves_the_environments_value(monkeypatch):
     monkeypatch.delenv("GOGC", raising=False)
     with node.p2pd_environment(Run(network={"p2pd_max_procs": None, "p2pd_gc_percent": None})):
         assert os.environ["GOMAXPROCS"] == "3" and "GOGC" not in os.environ
-    with node.p2pd_environment(Run()):  # the defaults: Go's thread count, collections 4 times rarer
+    with node.p2pd_environment(Run(network={"p2pd_gc_percent": 400})):
         assert (os.environ["GOMAXPROCS"], os.environ["GOGC"]) == ("3", "400")
     assert os.environ["GOMAXPROCS"] == "3" and "GOGC" not in os.environ
 
