@@ -20,6 +20,9 @@ import time
 
 import torch
 
+READY_WAIT_S = 240.0
+"""Seconds a peer waits for the others to appear before it exits (the test waits 180 s per peer for "ready")."""
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -55,7 +58,11 @@ def main() -> None:
         averager = StageAverager(dht, **kwargs)
     # Ready once every expected peer is visible in the DHT: the first round then finds its group.
     dht.store("test_peers", subkey=str(dht.peer_id), value=True, expiration_time=get_dht_time() + 600)
+    deadline = time.monotonic() + READY_WAIT_S
     while len((dht.get("test_peers", latest=True) or ValueWithExpiration({}, 0)).value) < args.expected:
+        if time.monotonic() > deadline:  # the test gave up on this swarm (or died): do not linger
+            dht.shutdown()
+            sys.exit(f"sparta_peer: {args.expected} peers not visible within {READY_WAIT_S} s")
         time.sleep(0.2)
     if args.authority_key:
         print("ready", dht.peer_id.to_base58(), *map(str, dht.get_visible_maddrs()), flush=True)

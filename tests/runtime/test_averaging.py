@@ -66,11 +66,22 @@ class Swarm:
             self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                text=True))
         self.ready = []  # per peer: what followed "ready" (admitted peers: peer id and multiaddrs)
-        for p in self.procs:
-            words = readline(p, 180).split()
-            assert words[:1] == ["ready"], words
-            self.ready.append(words[1:])
-            self.children.append([c.pid for c in psutil.Process(p.pid).children(recursive=True)])
+        try:
+            for p in self.procs:
+                words = readline(p, 180).split()
+                assert words[:1] == ["ready"], words
+                self.ready.append(words[1:])
+                self.children.append([c.pid for c in psutil.Process(p.pid).children(recursive=True)])
+        except BaseException:  # no fixture will close a swarm that never started: kill every peer's tree now
+            for p in self.procs:
+                try:
+                    tree = psutil.Process(p.pid)
+                    for proc in [*tree.children(recursive=True), tree]:
+                        proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+                p.wait()
+            raise
 
     def round(self, commands):
         """commands: one "WEIGHT VALUE EXPECTED [FAULT]" per peer (None = the peer is gone)."""
