@@ -110,6 +110,12 @@ class StageProgress:
             return self._origin + self.total - self.step * self.target
         return max(self.stage_total(), self._base) - self.step * self.target
 
+    def own_share(self) -> float:
+        """This replica's share of the samples that the stage's live replicas ran (itself included): roughly its
+        share of the stage's work in flight too. 1.0 alone, or before it ran any (a newcomer)."""
+        live = sum(self.peer_totals.get(peer, 0) for peer in self.peers)
+        return self.total / (self.total + live) if self.total else 1.0
+
     def ahead(self) -> bool:
         """Whether another replica already took the current step (never a reason to step with `own`)."""
         return not self.own and any(s > self.step for s in self.peers.values())

@@ -42,7 +42,8 @@ class Workers(Section):
     A backward that lands on another replica, or after the weights changed, recomputes either way."""
     forward_hold_s: float = Field(1.0, ge=0)
     """Seconds at most a forward waits for its stage's step when it belongs to the next step's batch: this replica's
-    cache already holds the forwards of the rest of the current one, so computed now its cached graph would be
+    cache already holds the forwards of its share of the rest of the current one (with replicas, the missing
+    samples times its share of the samples the stage's live replicas ran), so computed now its cached graph would be
     stale by the time its backward came, and the backward would recompute. 0: never wait.
     Only with ``activation_cache_mb`` > 0 (without the cache every backward recomputes anyway)."""
     self_termination: SelfTermination = SelfTermination()

@@ -6,8 +6,8 @@ oldest request and **coalesces** the queued requests of that kind (and shape) up
 The stateless path (§3.3.1.4): a backward recomputes the stage's forward to rebuild the autograd graph.
 With ``workers.activation_cache_mb`` > 0 the worker keeps its recent forwards' graphs
 (:mod:`agoractl.training.activation_cache`, bounded, oldest evicted) and a backward of the same samples
-uses them instead; evicted, stale or unknown samples take the recompute. A forward that would be
-the next step's (the replica holds forwards for the rest of the current batch already) waits for the step,
+uses them instead; evicted, stale or unknown samples take the recompute. A forward that would be the next
+step's (the replica holds forwards for its share of the rest of the current batch already) waits for the step,
 at most ``workers.forward_hold_s``, rather than keep a graph the step makes stale. The tail's fused
 ``forward_backward`` computes forward, loss and backward in one pass and saves that recompute.
 A stage of role ``whole`` (the model not split) answers only ``forward_backward``: token ids in,
@@ -258,15 +258,18 @@ class Worker:
 
     def _forwards_wait(self) -> bool:
         """Whether the queued forwards wait for the step (``workers.forward_hold_s``): the replica's cache
-        already holds the forwards of the rest of the current step's batch (their backwards not run yet), so a
-        forward now would be the next step's, its cached graph stale before its backward came. Never for longer
+        already holds the forwards of its share of the rest of the current step's batch (their backwards not run
+        yet), so a forward now would be the next step's, its cached graph stale before its backward came. Its
+        share (:meth:`~agoractl.algorithms.progress.StageProgress.own_share`): the other replicas hold the
+        rest in flight; counting the whole rest against its own cache, a replica of two almost never held, and on
+        bench-cpu with 2 replicas per stage a third of the head's backwards took the recompute. Never for longer
         than the hold: a sample lost downstream must not keep the forwards waiting."""
         q = self._queues["forward"]
         if self.cache is None or not q or self.progress.finished or self.progress.own:
             return False
         if time.monotonic() - q[0].arrived > self.forward_hold_s:
             return False
-        return 0 < self.progress.room() <= self.cache.samples()
+        return 0 < self.progress.room() * self.progress.own_share() <= self.cache.samples()
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -32,6 +32,22 @@ def test_replicas_count_together():
     assert a.advance() == 5 and b.advance() == 3  # each applies its own share of the batch
 
 
+def test_a_replicas_share_is_of_the_samples_its_live_replicas_ran():
+    """The share the forward hold scales the stage's missing samples by (Worker._forwards_wait)."""
+    a = StageProgress(8, 10)
+    assert a.own_share() == 1.0  # alone
+    a.observe({"b": PeerProgress(0, 6)})
+    assert a.own_share() == 1.0  # a newcomer that ran nothing yet: as if alone
+    a.add(2)
+    assert a.own_share() == 0.25
+    a.observe({"b": PeerProgress(0, 6), "c": PeerProgress(0, 0)})
+    assert a.own_share() == 0.25  # a live replica that ran nothing holds no share
+    a.observe({"c": PeerProgress(0, 2)})  # b left: its samples still count toward the stage, not toward the share
+    assert a.stage_total() == 10 and a.own_share() == 0.5
+    a.add(2, report=False)  # a sync phase's samples are not reported, nor counted in the share
+    assert a.own_share() == 0.5
+
+
 def test_samples_seen_late_count_toward_the_next_step_not_the_current_one():
     """A stale view makes a replica overshoot the batch; the excess is credited to the next step, so
     over many steps the stage applies one global batch per step."""

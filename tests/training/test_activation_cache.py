@@ -263,6 +263,34 @@ def test_a_forward_of_the_next_steps_batch_waits_for_the_step_and_its_backward_t
     assert head.cache.stats.misses == 0 and head.cache.stats.hits == 3  # requests; its graph: the new weights
 
 
+def test_a_replica_holds_the_next_steps_forwards_once_its_share_of_the_missing_samples_is_in_its_cache():
+    """With a peer that ran as many samples, a replica's cached forwards are about half the stage's in flight:
+    it holds a forward once the samples the step still misses, times its share, are in its cache (alone it
+    waited for all of them, so nearly every forward of the next step ran early and took the recompute)."""
+    from agoractl.algorithms.progress import PeerProgress
+
+    run = small_run("workers.activation_cache_mb=64", "workers.forward_hold_s=30")  # batch 4
+    head = Worker(run, 0)
+    first, now, later = samples(2, seed=1), samples(2, seed=2), samples(2, seed=3)
+    wire = drain(head, [submit(head, "forward", first)])[0]["wire"]
+    drain(head, [submit(head, "backward", first, None, torch.randn_like(wire))])
+    head.progress.observe({"peer": PeerProgress(0, 2)})  # the peer ran the other half of step 0's batch
+    head.run_once(0.01)
+    assert head.progress.step == 1 and head.progress.own_share() == 0.5
+    wire = drain(head, [submit(head, "forward", now)])[0]["wire"]
+    assert head.progress.room() == 4 and head.cache.samples() == 2  # alone it would not hold: 4 > 2
+    early = submit(head, "forward", later)
+    for _ in range(5):
+        head.run_once(0.01)
+    assert not early.done and head.stats.forward_samples == 4  # held
+    drain(head, [submit(head, "backward", now, None, torch.randn_like(wire))])
+    head.progress.observe({"peer": PeerProgress(1, 4)})  # the peer's half of step 1
+    drain(head, [early])  # the step, then the forward, under the new weights
+    assert head.progress.step == 2 and head.stats.forward_samples == 6
+    drain(head, [submit(head, "backward", later, None, torch.randn_like(early.result["wire"]))])
+    assert head.cache.stats.misses == 0 and head.cache.stats.hits == 3
+
+
 @pytest.mark.parametrize("hold_s", [0.0, 0.3])
 def test_the_hold_is_bounded_a_forward_whose_batch_never_completes_still_runs(hold_s):
     """The backwards of the step's batch may never come (a sample lost downstream): the forward waits at
