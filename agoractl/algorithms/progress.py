@@ -80,13 +80,25 @@ class StageProgress:
         know (their published :attr:`PeerProgress.seen`, at least its starting step's), less their totals. The
         peers' totals alone miss the replicas that left before it came: counting from them, it took the samples
         of their share again toward its steps (a head joiner in the churn test took 517 samples for one step)."""
+        totals = dict(self.peer_totals)  # replaced whole, like :meth:`heard`'s
         for peer, p in peers.items():
-            self.peer_totals[peer] = max(self.peer_totals.get(peer, 0), int(p.total))
+            totals[peer] = max(totals.get(peer, 0), int(p.total))
+        self.peer_totals = totals
         self.peers = {peer: int(p.step) for peer, p in peers.items()}
         if self._joining and peers:
             self._joining = False
             known = sum(self.peer_totals.values())
             self._origin = max(self._base, known, *(int(p.seen) for p in peers.values())) - known
+
+    def heard(self, peer: str, p: PeerProgress) -> None:
+        """Take in one replica's progress pushed straight to this one (:mod:`agoractl.runtime.progress_push`),
+        between DHT reads: its count only moves forward (a step read late only delays :meth:`ahead`). A joiner
+        ignores pushes until its first view of the peers, from which it sets where it counts from (:meth:`observe`).
+        The dicts are replaced, not changed in place: the compute thread reads them while another thread writes."""
+        if self._joining or self.own:
+            return
+        self.peer_totals = {**self.peer_totals, peer: max(self.peer_totals.get(peer, 0), int(p.total))}
+        self.peers = {**self.peers, peer: int(p.step)}
 
     def add(self, samples: int, report: bool = True) -> None:
         """This replica accumulated gradients of `samples` more samples; unless `report`, they do not

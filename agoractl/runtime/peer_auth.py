@@ -68,13 +68,14 @@ class PeerAuth:
 
         return gate
 
-    def gate_replica(self, stage: str) -> Callable[[Optional[str], str], None]:
-        """The check of the direct mixing transport (:mod:`agoractl.runtime.direct_mixing`), either way: a peer's
-        credential must name a worker of `stage` bound to its peer id."""
+    def gate_replica(self, stage: str, surface: str = "direct_mixing") -> Callable[[Optional[str], str], None]:
+        """The check of a transport between a stage's replicas (:mod:`agoractl.runtime.direct_mixing` either way,
+        :mod:`agoractl.runtime.progress_push`): a peer's credential must name a worker of `stage` bound to its peer
+        id; refusals are counted under `surface`."""
 
         def gate(token: Optional[str], peer: str) -> None:
             try:
-                self.verify(token, "direct_mixing", peer_id=peer, role="worker", stage=stage)
+                self.verify(token, surface, peer_id=peer, role="worker", stage=stage)
             except CredentialRefused as e:
                 raise PermissionError(f"credential refused: {e.reason}") from None
 

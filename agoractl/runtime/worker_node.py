@@ -10,7 +10,9 @@ Three threads:
 - the **DHT thread**: re-announces the worker under its stage-prefixed key every
   ``workers.announce_period_s`` (expiry three periods, report §3.3.1.5), publishes its
   ``(step, samples)`` whenever they change and fetches its stage peers' progress, so the replicas
-  step together (:mod:`agoractl.algorithms.progress`). Every DHT call is made from this thread only.
+  step together (:mod:`agoractl.algorithms.progress`); it also pushes the changes straight to the stage's
+  replicas, which take them in on the connection handler (:mod:`agoractl.runtime.progress_push`).
+  Every DHT call is made from this thread only.
 
 ``--stage auto`` joins the stage with the fewest live replicas (ties: the earliest stage). A worker
 that joins a running stage starts at the stage's current step. Once the stage reached
@@ -53,11 +55,12 @@ from agoractl.runtime.averaging_auth import admitted_averager
 from agoractl.runtime.direct_mixing import direct_mixing
 from agoractl.runtime.fgdiloco_worker import FGDiLoCoNode
 from agoractl.runtime.metrics import NodeMetrics, worker_sample
+from agoractl.runtime.progress_push import ProgressPush
 from agoractl.training.pipeline_writes import PipelineWrites
 from agoractl.runtime.records import PHASES, SERVING_PHASES, RunRecords, WorkerRecord
 from agoractl.training.self_feed import SelfFeed
 from agoractl.runtime.sparta_worker import SpartaWorker
-from agoractl.algorithms.progress import run_position
+from agoractl.algorithms.progress import PeerProgress, run_position
 from agoractl.algorithms.termination import Termination
 from agoractl.training.data_parallel import DataParallelMethod, transport_capacity
 from agoractl.training.node_stats import WorkerNodeStats
@@ -202,6 +205,11 @@ class WorkerNode:
         self.announced: Optional[float] = None
         """Wall-clock time of the first successful announcement (when trainers can first see it)."""
         self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.progress_push = ProgressPush(f"{namespace(run.metadata.name, stage)}.progress", self.worker.progress.heard,
+                                          gate=(self.admitted.auth.gate_replica(stage, "progress_push")
+                                                if self.admitted is not None else None),
+                                          token=self.admitted.current if self.admitted is not None else lambda: None)
+        """This replica's progress, pushed straight to the stage's other replicas (theirs taken in)."""
         self._served_ready = threading.Event()
         self._serve_stop = threading.Event()
         """Set once the worker withdrew from the DHT: the connection handler then stops listening."""
@@ -246,6 +254,7 @@ class WorkerNode:
                 servicer = StageServicer(self._handle, self.admitted.auth.gate_stage(self.stage)
                                          if self.admitted is not None else None)
                 await servicer.add_p2p_handlers(p2p, namespace=namespace(self.run.metadata.name, self.stage))
+                await self.progress_push.open(p2p)
             except BaseException as e:
                 self._serve_error = e
                 self._served_ready.set()
@@ -256,6 +265,7 @@ class WorkerNode:
             while not self._serve_stop.is_set():
                 await asyncio.sleep(0.1)
             try:
+                await self.progress_push.close()
                 await servicer.remove_p2p_handlers(p2p, namespace=namespace(self.run.metadata.name, self.stage))
             except Exception:
                 pass
@@ -289,7 +299,7 @@ class WorkerNode:
         is a traversal, hundreds of milliseconds on a loaded machine): one of each kind is in flight at most."""
         progress, ttl = self.worker.progress, 3 * self.period
         next_announce = next_fetch = last_publish = 0.0
-        last_published, first_work = None, True
+        last_published, last_pushed, first_work = None, None, True
         pending: dict[str, tuple] = {}  # kind -> (future, started, on success)
 
         def settle() -> None:
@@ -340,6 +350,9 @@ class WorkerNode:
                    or (collective and mine[0] != last_published[0])
                    or (mine != last_published and now - last_publish >= publish_every)
                    or now - last_publish >= self.period)  # refresh before the record expires
+            if collective and mine != last_pushed:  # the replicas step on it: at once, straight to them
+                last_pushed = mine
+                self.progress_push.push(progress.peers, PeerProgress(*mine, seen=progress.stage_total()))
             if due and "progress" not in pending:
                 last_publish, last_published = now, mine
                 store("progress", self.records.publish_progress, self.stage, self.peer, mine[0], mine[1], ttl,
@@ -436,7 +449,7 @@ class WorkerNode:
             dht_calls=self.dht_calls, throughput=self.worker.throughput,
             termination=self.termination.as_dict() if self.termination else None,
             resumed=self.resumed.facts() if self.resumed is not None else None,
-            admission=admission.summary(self.admitted),
+            admission=admission.summary(self.admitted), progress_push=dict(self.progress_push.counts),
             feed=self.feed.summary() if self.feed is not None else None,
             **(self.data_parallel.summary() if self.data_parallel is not None else {}))
 

@@ -107,6 +107,9 @@ class WorkerNodeStats(WorkerStats):
     resumed: Optional[dict] = None
     """What the worker resumed from (a checkpoint or a peer's state), if it did."""
     admission: Optional[dict] = field(default=None, metadata=DETAIL)
+    progress_push: Optional[dict] = None
+    """Progress pushed to and taken from the stage's other replicas (:mod:`agoractl.runtime.progress_push`):
+    ``sent``, ``failed``, ``received``, ``refused``."""
     killed: bool = False
     feed: Optional[dict] = field(default=None, metadata=DETAIL)
     """A self-fed replica's feeder statistics (``workers.self_feed``), a :class:`TrainerNodeStats` as a dict."""

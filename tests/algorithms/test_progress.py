@@ -66,6 +66,35 @@ def test_samples_seen_late_count_toward_the_next_step_not_the_current_one():
     assert abs(a.step - total / 8) <= 1 and abs(b.step - a.step) <= 1
 
 
+def test_a_pushed_count_moves_the_view_forward_between_dht_reads():
+    """Pushes (agoractl.runtime.progress_push) arrive between DHT reads: they only move a peer's count forward,
+    and a DHT read older than the last push rolls no count back."""
+    a = StageProgress(8, 10)
+    a.observe({"b": PeerProgress(0, 2)})
+    a.add(3)
+    a.heard("b", PeerProgress(0, 5))
+    assert a.collective() == 8 and a.should_step()
+    a.advance()
+    a.heard("b", PeerProgress(1, 6))
+    a.heard("b", PeerProgress(0, 4))  # a late push, overtaken by a newer one
+    a.observe({"b": PeerProgress(0, 5)})  # the DHT's copy, older than the pushes
+    assert a.peer_totals == {"b": 6} and a.collective() == 1
+    a.heard("c", PeerProgress(1, 7))  # a replica the DHT has not shown yet
+    assert a.collective() == 8 and a.own_share() == 3 / 16
+
+
+def test_pushes_wait_for_a_joiners_first_view_and_never_count_on_own_counts():
+    joiner = StageProgress(8, 10, step=4)
+    joiner.heard("b", PeerProgress(step=4, total=16, seen=35))  # before its first DHT view: where it counts from
+    assert joiner.collective() == 0 and joiner.peer_totals == {}
+    joiner.observe({"b": PeerProgress(step=4, total=16, seen=35)})
+    joiner.heard("b", PeerProgress(step=4, total=18, seen=37))
+    assert joiner.collective() == 5
+    own = StageProgress(8, 10, own=True)
+    own.heard("b", PeerProgress(step=3, total=30))
+    assert own.peer_totals == {} and not own.ahead()
+
+
 def test_a_replica_behind_follows_the_one_ahead():
     a = StageProgress(8, 10)
     a.add(2)

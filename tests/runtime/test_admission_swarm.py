@@ -360,6 +360,11 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
         got = {k: n for k, n in w["admission"]["refused"].items() if k.startswith("averaging_")}
         assert got == (expected if w["peer"] == head else {}), (w["peer"], got)
     assert all(w["admission"]["renewals"] >= 1 for w in workers), workers
+    for w in workers:  # the replicas' progress pushes carried credentials their peers took, renewals and all; the
+        # intruder's (a tail worker with admission off) carried none
+        pushes = {k: n for k, n in w["admission"]["refused"].items() if k.startswith("progress_push:")}
+        assert w["progress_push"]["received"] > 0, (w["peer"], w["progress_push"])
+        assert set(pushes) <= ({"progress_push:missing"} if w["stage"] == "tail" else set()), (w["peer"], pushes)
     trainer_stats = json.loads((run_dir / "swarm" / "nodes" / "trainer-0.json").read_text())
     seen = trainer_stats["stages"]["tail"]["workers_seen"]
     assert len(seen) == 2 and not any(seen_peer.endswith(t) for seen_peer in seen for t in intruder_tail), \

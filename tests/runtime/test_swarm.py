@@ -160,8 +160,10 @@ def test_replicated_swarm_trains_steps_together_and_coalesces(corpus, procs, tmp
     first = sum(v for _, v in r["loss"][:3]) / 3
     assert r["final_loss"] < first - 0.5, r["loss"]
     assert r["samples_lost"] == 0 and r["samples_completed"] >= 30 * 8
-    for w in r["workers"]:  # every replica of every stage took all 30 steps
+    for w in r["workers"]:  # every replica of every stage took all 30 steps, told its peer its count directly
         assert w["step"] == 30, w
+        assert w["progress_push"]["sent"] > 0 and w["progress_push"]["received"] > 0, w
+        assert w["progress_push"]["refused"] == 0, w
     stages = by_stage(r)
     assert set(stages) == {"head", "body-1", "tail"}
     for s in stages.values():
