@@ -10,8 +10,9 @@ Three threads:
 - the **DHT thread**: re-announces the worker under its stage-prefixed key every
   ``workers.announce_period_s`` (expiry three periods, report §3.3.1.5), publishes its
   ``(step, samples)`` whenever they change and fetches its stage peers' progress, so the replicas
-  step together (:mod:`agoractl.algorithms.progress`); it also pushes the changes straight to the stage's
-  replicas, which take them in on the connection handler (:mod:`agoractl.runtime.progress_push`).
+  step together (:mod:`agoractl.algorithms.progress`); with ``workers.progress_push`` it also pushes the changes
+  straight to the stage's replicas. The connection handler takes in the pushes of any replica that sends them
+  (:mod:`agoractl.runtime.progress_push`).
   Every DHT call is made from this thread only.
 
 ``--stage auto`` joins the stage with the fewest live replicas (ties: the earliest stage). A worker
@@ -300,6 +301,7 @@ class WorkerNode:
         progress, ttl = self.worker.progress, 3 * self.period
         next_announce = next_fetch = last_publish = 0.0
         last_published, last_pushed, first_work = None, None, True
+        push = self.run.workers.progress_push
         pending: dict[str, tuple] = {}  # kind -> (future, started, on success)
 
         def settle() -> None:
@@ -350,7 +352,7 @@ class WorkerNode:
                    or (collective and mine[0] != last_published[0])
                    or (mine != last_published and now - last_publish >= publish_every)
                    or now - last_publish >= self.period)  # refresh before the record expires
-            if collective and mine != last_pushed:  # the replicas step on it: at once, straight to them
+            if collective and push and mine != last_pushed:  # the replicas step on it: at once, straight to them
                 last_pushed = mine
                 self.progress_push.push(progress.peers, PeerProgress(*mine, seen=progress.stage_total()))
             if due and "progress" not in pending:

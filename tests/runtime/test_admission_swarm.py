@@ -7,7 +7,8 @@ test) joining it with a ``monitor`` credential. While it trains, the test attack
   worker's averager, with no credential, a tampered one, one signed by another authority, another peer's, an
   expired one, a banned node's (and, for averaging, another stage's): each refused, every time, with its own
   reason, and counted by the worker dialled; the honest SPARTA rounds go on meanwhile, and no worker's gate
-  refuses an honest peer (each worker's averaging refusals are exactly the rogue's attempts);
+  refuses an honest peer (each worker's averaging refusals are exactly the rogue's attempts); the replicas' progress
+  pushes (``workers.progress_push``) are taken, an unadmitted tail worker's refused;
 - an unadmitted worker's DHT records are dropped, so no trainer ever sends it a sample; so are records stored
   (from a DHT node in the test process) with each spoiled credential, and counted where they were dropped;
 - real records reach the Health Monitor: a node the Authorizer admitted to one stage announces another
@@ -190,7 +191,7 @@ def test_admission_on_refuses_every_forgery_while_admitted_nodes_train(procs, sa
     run_dir, port = tmp_path / "run", free_port()
     url = f"http://127.0.0.1:{port}"
     values = TINY + private_shards(sample_shards, tmp_path) + ADMISSION + SPARTA + MONITOR + [
-        "local.trainers=1", "trainers.count=1", f"admission.authorizer={url}"]
+        "local.trainers=1", "trainers.count=1", f"admission.authorizer={url}", "workers.progress_push=true"]
     authorizer = start_authorizer(procs, values, port, env, tmp_path / "authorizer.err")
     p, status = run_swarm(procs, run_dir, values, timeout=840)
 

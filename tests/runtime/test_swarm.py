@@ -150,11 +150,12 @@ def by_stage(report: dict) -> dict:
 
 
 def test_replicated_swarm_trains_steps_together_and_coalesces(corpus, procs, tmp_path):
-    """DHT seed, 3 stages x 2 workers, 2 trainers, each its own process: 30 optimizer steps."""
+    """DHT seed, 3 stages x 2 workers, 2 trainers, each its own process: 30 optimizer steps; the replicas push
+    their progress to each other (workers.progress_push)."""
     run_dir = tmp_path / "run"
     p, _ = run_swarm(procs, run_dir, corpus + TINY + [
         "local.workers_per_stage=2", "local.trainers=2", "trainers.count=2", "trainers.in_flight=4",
-        "training.max_steps=30"])
+        "training.max_steps=30", "workers.progress_push=true"])
     r = finish(p, run_dir)
     assert r["mode"] == "swarm" and r["steps"] == 30 and r["completed"]
     first = sum(v for _, v in r["loss"][:3]) / 3
@@ -194,6 +195,9 @@ def test_sigkilled_worker_costs_retries_not_samples(corpus, procs, tmp_path):
     survivors = [w for w in r["workers"] if w["stage"] == "body-1" and not w.get("killed")]
     assert len(survivors) == 1 and survivors[0]["step"] == 30
     assert r["samples_completed"] == r["samples_dispatched"]
+    # workers.progress_push is off by default: the DHT alone carries the counts (the killed worker left no stats)
+    assert all(w["progress_push"] == {"sent": 0, "failed": 0, "received": 0, "refused": 0}
+               for w in r["workers"] if not w.get("killed"))
 
 
 def test_worker_added_mid_run_gets_work_within_the_discovery_period(corpus, procs, tmp_path):
